@@ -1,0 +1,35 @@
+// Operator schemas of moetrain._C. The CPU implementations live in moe_cpu.cpp, the CUDA ones in
+// moe_cuda.cu; both register under the same names, so Python calls torch.ops.moetrain.<name> and
+// PyTorch's dispatcher picks the device.
+//
+// Shape letters: T tokens, K choices per token (top-k), N = T*K routing entries, E experts,
+// R rows of the expert-major buffer, D model dim.
+//
+// A routing plan is one int64 tensor dest[T, K]: the row of the expert-major buffer that receives
+// token t's k-th choice, or -1 when that choice was dropped (capacity exceeded).
+#include <torch/extension.h>
+
+TORCH_LIBRARY(moetrain, m) {
+  // Flat routing entries in priority order -> (dest[N], load[E], kept[E]).
+  // capacity < 0 means unlimited. packed=false lays experts out at e * capacity (padded);
+  // packed=true lays them back to back (offset = sum of kept rows of earlier experts).
+  m.def("route(Tensor expert_idx, int num_experts, int capacity, bool packed) -> (Tensor, Tensor, Tensor)");
+  // buf[r] = x[t] for dest[t, k] == r; rows nobody writes are zero.
+  m.def("dispatch(Tensor x, Tensor dest, int num_rows) -> Tensor");
+  // y[t] = sum_k weight[t, k] * buf[dest[t, k]] (weight omitted: plain sum), skipping dest == -1.
+  m.def("combine(Tensor buf, Tensor dest, Tensor? weight) -> Tensor");
+  // Backward of combine: grad_buf[dest[t, k]] = weight[t, k] * grad_y[t] (zero elsewhere) and,
+  // when weight_grad, grad_weight[t, k] = <grad_y[t], buf[dest[t, k]]>.
+  m.def("combine_backward(Tensor grad_y, Tensor buf, Tensor dest, Tensor weight, int num_rows, bool weight_grad) -> (Tensor, Tensor)");
+}
+
+// Importing moetrain._C registers the operators above; the module itself has no functions.
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
+  module.doc() = "moetrain dispatch/combine kernels (use through moetrain.ops)";
+  module.attr("has_cuda") =
+#ifdef MOETRAIN_WITH_CUDA
+      true;
+#else
+      false;
+#endif
+}

@@ -1,0 +1,203 @@
+// CPU (OpenMP through at::parallel_for) kernels for MoE routing, dispatch and combine.
+// Schemas and shape letters: bindings.cpp.
+//
+// Every kernel is organised so that each output row is written by exactly one thread: dispatch and
+// the buffer gradient run over buffer rows (through the inverse map row -> entry), combine and the
+// weight gradient run over tokens. No atomics, no zero-fill pass followed by a scatter.
+#include <torch/extension.h>
+#include <ATen/OpMathType.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <vector>
+
+namespace {
+
+void check_plan(const at::Tensor& dest, int64_t tokens, const char* what) {
+  TORCH_CHECK(dest.scalar_type() == at::kLong, what, ": dest must be int64, got ", dest.scalar_type());
+  TORCH_CHECK(dest.dim() == 2 && dest.size(0) == tokens, what, ": dest must be [tokens, k] with tokens=",
+              tokens, ", got ", dest.sizes());
+}
+
+// Inverse of the plan: for each buffer row, the flat entry t*K+k that fills it, or -1.
+std::vector<int64_t> row_sources(const at::Tensor& dest, int64_t num_rows) {
+  std::vector<int64_t> source(num_rows, -1);
+  const int64_t* d = dest.data_ptr<int64_t>();
+  const int64_t n = dest.numel();
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t row = d[i];
+    if (row < 0) continue;
+    TORCH_CHECK(row < num_rows, "dest row ", row, " out of range for a buffer of ", num_rows, " rows");
+    TORCH_CHECK(source[row] < 0, "dest row ", row, " is the target of two routing entries");
+    source[row] = i;
+  }
+  return source;
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> route_cpu(const at::Tensor& expert_idx, int64_t num_experts,
+                                                         int64_t capacity, bool packed) {
+  TORCH_CHECK(expert_idx.scalar_type() == at::kLong && expert_idx.dim() == 1,
+              "route: expert_idx must be a 1-D int64 tensor");
+  TORCH_CHECK(num_experts > 0, "route: num_experts must be positive");
+  TORCH_CHECK(packed || capacity >= 0, "route: the padded layout needs a capacity >= 0");
+  auto idx = expert_idx.contiguous();
+  const int64_t n = idx.numel();
+  auto dest = at::empty({n}, idx.options());
+  auto load = at::zeros({num_experts}, idx.options());
+  auto kept = at::empty({num_experts}, idx.options());
+  const int64_t* e = idx.data_ptr<int64_t>();
+  int64_t* out = dest.data_ptr<int64_t>();
+  int64_t* l = load.data_ptr<int64_t>();
+  int64_t* kp = kept.data_ptr<int64_t>();
+  const int64_t cap = capacity < 0 ? n : capacity;
+  // First pass: the slot of each entry inside its expert is the number of earlier entries
+  // (in priority order) that chose the same expert.
+  for (int64_t i = 0; i < n; ++i) {
+    TORCH_CHECK(e[i] >= 0 && e[i] < num_experts, "route: expert index ", e[i], " out of range [0, ",
+                num_experts, ")");
+    out[i] = l[e[i]]++;
+  }
+  std::vector<int64_t> base(num_experts);
+  int64_t offset = 0;
+  for (int64_t x = 0; x < num_experts; ++x) {
+    kp[x] = std::min(l[x], cap);
+    base[x] = packed ? offset : x * cap;
+    offset += kp[x];
+  }
+  for (int64_t i = 0; i < n; ++i) {
+    out[i] = out[i] < cap ? base[e[i]] + out[i] : -1;
+  }
+  return {dest, load, kept};
+}
+
+at::Tensor dispatch_cpu(const at::Tensor& x_in, const at::Tensor& dest_in, int64_t num_rows) {
+  TORCH_CHECK(x_in.dim() == 2, "dispatch: x must be [tokens, dim], got ", x_in.sizes());
+  check_plan(dest_in, x_in.size(0), "dispatch");
+  auto x = x_in.contiguous();
+  auto dest = dest_in.contiguous();
+  const int64_t k = dest.size(1), dim = x.size(1);
+  auto buf = at::empty({num_rows, dim}, x.options());
+  const auto source = row_sources(dest, num_rows);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "moetrain_dispatch", [&] {
+    const scalar_t* src = x.data_ptr<scalar_t>();
+    scalar_t* dst = buf.data_ptr<scalar_t>();
+    at::parallel_for(0, num_rows, 16, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {
+        scalar_t* row = dst + r * dim;
+        if (source[r] < 0) {
+          std::fill(row, row + dim, scalar_t(0));
+        } else {
+          std::copy(src + (source[r] / k) * dim, src + (source[r] / k + 1) * dim, row);
+        }
+      }
+    });
+  });
+  return buf;
+}
+
+at::Tensor combine_cpu(const at::Tensor& buf_in, const at::Tensor& dest_in, const c10::optional<at::Tensor>& weight_in) {
+  TORCH_CHECK(buf_in.dim() == 2, "combine: buf must be [rows, dim], got ", buf_in.sizes());
+  TORCH_CHECK(dest_in.dim() == 2, "combine: dest must be [tokens, k], got ", dest_in.sizes());
+  auto buf = buf_in.contiguous();
+  auto dest = dest_in.contiguous();
+  const int64_t tokens = dest.size(0), k = dest.size(1), dim = buf.size(1), rows = buf.size(0);
+  auto y = at::empty({tokens, dim}, buf.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, buf.scalar_type(), "moetrain_combine", [&] {
+    using acc_t = at::opmath_type<scalar_t>;
+    at::Tensor weight;
+    const acc_t* w = nullptr;
+    if (weight_in.has_value()) {
+      weight = weight_in->contiguous();
+      TORCH_CHECK(weight.scalar_type() == c10::CppTypeToScalarType<acc_t>::value,
+                  "combine: weight must be ", c10::CppTypeToScalarType<acc_t>::value, " for ", buf.scalar_type(),
+                  " buffers, got ", weight.scalar_type());
+      TORCH_CHECK(weight.sizes() == dest.sizes(), "combine: weight must have dest's shape");
+      w = weight.data_ptr<acc_t>();
+    }
+    const scalar_t* b = buf.data_ptr<scalar_t>();
+    const int64_t* d = dest.data_ptr<int64_t>();
+    scalar_t* out = y.data_ptr<scalar_t>();
+    at::parallel_for(0, tokens, 8, [&](int64_t begin, int64_t end) {
+      std::vector<acc_t> acc(dim);
+      for (int64_t t = begin; t < end; ++t) {
+        std::fill(acc.begin(), acc.end(), acc_t(0));
+        for (int64_t j = 0; j < k; ++j) {
+          const int64_t row = d[t * k + j];
+          if (row < 0) continue;
+          TORCH_CHECK(row < rows, "combine: dest row ", row, " out of range for ", rows, " rows");
+          const acc_t scale = w ? w[t * k + j] : acc_t(1);
+          const scalar_t* src = b + row * dim;
+          for (int64_t c = 0; c < dim; ++c) acc[c] += scale * static_cast<acc_t>(src[c]);
+        }
+        scalar_t* dst = out + t * dim;
+        for (int64_t c = 0; c < dim; ++c) dst[c] = static_cast<scalar_t>(acc[c]);
+      }
+    });
+  });
+  return y;
+}
+
+std::tuple<at::Tensor, at::Tensor> combine_backward_cpu(const at::Tensor& grad_y_in, const at::Tensor& buf_in,
+                                                        const at::Tensor& dest_in, const at::Tensor& weight_in,
+                                                        int64_t num_rows, bool weight_grad) {
+  check_plan(dest_in, grad_y_in.size(0), "combine_backward");
+  auto grad_y = grad_y_in.contiguous();
+  auto dest = dest_in.contiguous();
+  auto weight = weight_in.contiguous();
+  const int64_t tokens = dest.size(0), k = dest.size(1), dim = grad_y.size(1);
+  auto grad_buf = at::empty({num_rows, dim}, grad_y.options());
+  auto grad_weight = at::zeros(dest.sizes(), weight.options());
+  const auto source = row_sources(dest, num_rows);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, grad_y.scalar_type(), "moetrain_combine_backward", [&] {
+    using acc_t = at::opmath_type<scalar_t>;
+    TORCH_CHECK(weight.scalar_type() == c10::CppTypeToScalarType<acc_t>::value,
+                "combine_backward: weight dtype must be the op-math type of the buffer");
+    const scalar_t* g = grad_y.data_ptr<scalar_t>();
+    const acc_t* w = weight.data_ptr<acc_t>();
+    scalar_t* gb = grad_buf.data_ptr<scalar_t>();
+    at::parallel_for(0, num_rows, 16, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {
+        scalar_t* row = gb + r * dim;
+        const int64_t entry = source[r];
+        if (entry < 0) {
+          std::fill(row, row + dim, scalar_t(0));
+          continue;
+        }
+        const acc_t scale = w[entry];
+        const scalar_t* src = g + (entry / k) * dim;
+        for (int64_t c = 0; c < dim; ++c) row[c] = static_cast<scalar_t>(scale * static_cast<acc_t>(src[c]));
+      }
+    });
+    if (weight_grad) {
+      auto buf = buf_in.contiguous();
+      TORCH_CHECK(buf.scalar_type() == grad_y.scalar_type() && buf.size(1) == dim,
+                  "combine_backward: buf must match grad_y's dtype and dim");
+      const scalar_t* b = buf.data_ptr<scalar_t>();
+      const int64_t* d = dest.data_ptr<int64_t>();
+      acc_t* gw = grad_weight.data_ptr<acc_t>();
+      at::parallel_for(0, tokens, 8, [&](int64_t begin, int64_t end) {
+        for (int64_t t = begin; t < end; ++t) {
+          const scalar_t* gy = g + t * dim;
+          for (int64_t j = 0; j < k; ++j) {
+            const int64_t row = d[t * k + j];
+            if (row < 0) continue;
+            const scalar_t* src = b + row * dim;
+            acc_t dot = 0;
+            for (int64_t c = 0; c < dim; ++c) dot += static_cast<acc_t>(gy[c]) * static_cast<acc_t>(src[c]);
+            gw[t * k + j] = dot;
+          }
+        }
+      });
+    }
+  });
+  return {grad_buf, grad_weight};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(moetrain, CPU, m) {
+  m.impl("route", &route_cpu);
+  m.impl("dispatch", &dispatch_cpu);
+  m.impl("combine", &combine_cpu);
+  m.impl("combine_backward", &combine_backward_cpu);
+}

@@ -1,0 +1,87 @@
+"""Routing, dispatch and combine operators, with a kernel path (csrc/) and a pure-torch path.
+
+`impl="kernel"` runs moetrain._C (C++ on CPU tensors, CUDA on GPU tensors); `impl="torch"` runs
+moetrain.ops.reference. Both compute the same function; dispatch and combine are differentiable.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from moetrain.ops import reference
+from moetrain.ops.extension import ExtensionUnavailable, has_cuda_kernels, load
+
+IMPLS = ("kernel", "torch")
+
+__all__ = ["IMPLS", "ExtensionUnavailable", "check_impl", "combine", "dispatch", "has_cuda_kernels", "load", "route"]
+
+
+def check_impl(impl: str) -> str:
+    if impl not in IMPLS:
+        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+    return impl
+
+
+def _opmath(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _kernels(device: torch.device):
+    load()
+    if device.type == "cuda" and not has_cuda_kernels():
+        raise ExtensionUnavailable(
+            "moetrain._C was built without CUDA kernels, so it cannot run on CUDA tensors: rebuild on a "
+            "machine with nvcc (MOETRAIN_CUDA=1 pip install --no-build-isolation -e .) or pass impl='torch'"
+        )
+    return torch.ops.moetrain
+
+
+def route(expert_idx_N: torch.Tensor, num_experts: int, capacity: int, packed: bool, impl: str = "kernel"):
+    """Routing entries in priority order -> (dest_N, load_E, kept_E). capacity < 0: unlimited."""
+    if check_impl(impl) == "torch":
+        return reference.route(expert_idx_N, num_experts, capacity, packed)
+    return _kernels(expert_idx_N.device).route(expert_idx_N.contiguous(), num_experts, capacity, packed)
+
+
+class _Dispatch(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x_TD, dest_TK, num_rows):
+        ctx.save_for_backward(dest_TK)
+        return torch.ops.moetrain.dispatch(x_TD, dest_TK, num_rows)
+
+    @staticmethod
+    def backward(ctx, grad_RD):
+        (dest_TK,) = ctx.saved_tensors
+        # Each token receives the sum of its copies' gradients: a combine without weights.
+        return torch.ops.moetrain.combine(grad_RD.contiguous(), dest_TK, None), None, None
+
+
+class _Combine(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, buf_RD, dest_TK, weight_TK):
+        ctx.save_for_backward(buf_RD, dest_TK, weight_TK)
+        return torch.ops.moetrain.combine(buf_RD, dest_TK, weight_TK)
+
+    @staticmethod
+    def backward(ctx, grad_TD):
+        buf_RD, dest_TK, weight_TK = ctx.saved_tensors
+        grad_buf, grad_weight = torch.ops.moetrain.combine_backward(
+            grad_TD.contiguous(), buf_RD, dest_TK, weight_TK, buf_RD.size(0), ctx.needs_input_grad[2]
+        )
+        return grad_buf, None, (grad_weight if ctx.needs_input_grad[2] else None)
+
+
+def dispatch(x_TD: torch.Tensor, dest_TK: torch.Tensor, num_rows: int, impl: str = "kernel") -> torch.Tensor:
+    """Gather tokens into the expert-major buffer [num_rows, D] (see csrc/bindings.cpp)."""
+    if check_impl(impl) == "torch":
+        return reference.dispatch(x_TD, dest_TK, num_rows)
+    _kernels(x_TD.device)
+    return _Dispatch.apply(x_TD.contiguous(), dest_TK.contiguous(), num_rows)
+
+
+def combine(buf_RD: torch.Tensor, dest_TK: torch.Tensor, weight_TK: torch.Tensor, impl: str = "kernel") -> torch.Tensor:
+    """Gate-weighted sum of each token's expert outputs back in token order -> [T, D]."""
+    if check_impl(impl) == "torch":
+        return reference.combine(buf_RD, dest_TK, weight_TK)
+    _kernels(buf_RD.device)
+    return _Combine.apply(buf_RD.contiguous(), dest_TK.contiguous(), weight_TK.to(_opmath(buf_RD.dtype)).contiguous())

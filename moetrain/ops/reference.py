@@ -1,0 +1,46 @@
+"""Pure-torch reference implementations of the kernels in csrc/ (selected with impl="torch").
+
+They define what the kernels compute; the tests compare the two on random inputs. Autograd comes
+from torch itself here. Shape letters as in moetrain/moe/routing.py.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def route(expert_idx_N: torch.Tensor, num_experts: int, capacity: int, packed: bool):
+    """Slot of each routing entry (given in priority order) inside its expert; see csrc/bindings.cpp."""
+    n = expert_idx_N.numel()
+    load_E = torch.bincount(expert_idx_N, minlength=num_experts)
+    # A stable sort keeps priority order inside each expert, so the rank within the expert is the slot.
+    order_N = torch.sort(expert_idx_N, stable=True).indices
+    start_E = torch.cumsum(load_E, 0) - load_E
+    slot_N = torch.empty_like(expert_idx_N)
+    slot_N[order_N] = torch.arange(n, device=expert_idx_N.device) - start_E[expert_idx_N[order_N]]
+    cap = n if capacity < 0 else capacity
+    kept_E = load_E.clamp(max=cap)
+    base_E = torch.cumsum(kept_E, 0) - kept_E if packed else torch.arange(num_experts, device=expert_idx_N.device) * cap
+    dest_N = torch.where(slot_N < cap, base_E[expert_idx_N] + slot_N, torch.full_like(slot_N, -1))
+    return dest_N, load_E, kept_E
+
+
+def dispatch(x_TD: torch.Tensor, dest_TK: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """buf[dest[t, k]] = x[t]; rows nobody writes are zero."""
+    k = dest_TK.size(1)
+    flat_N = dest_TK.reshape(-1)
+    valid_N = flat_N >= 0
+    token_N = torch.arange(flat_N.numel(), device=flat_N.device) // k
+    buf_RD = x_TD.new_zeros(num_rows, x_TD.size(1))
+    return buf_RD.index_copy(0, flat_N[valid_N], x_TD[token_N[valid_N]])
+
+
+def combine(buf_RD: torch.Tensor, dest_TK: torch.Tensor, weight_TK: torch.Tensor | None) -> torch.Tensor:
+    """y[t] = sum_k weight[t, k] * buf[dest[t, k]], skipping dropped entries (dest == -1)."""
+    valid_TK = dest_TK >= 0
+    scale_TK = valid_TK.to(torch.float32 if buf_RD.dtype != torch.float64 else torch.float64)
+    if weight_TK is not None:
+        scale_TK = scale_TK * weight_TK
+    gathered_TKD = buf_RD[dest_TK.clamp(min=0)]
+    y_TD = (gathered_TKD.to(scale_TK.dtype) * scale_TK.unsqueeze(-1)).sum(1)
+    return y_TD.to(buf_RD.dtype)
