@@ -1,0 +1,29 @@
+"""The MoE layer and its parts (gates, routing, experts, losses)."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from moetrain.moe.experts import EXPERTS, Experts, FFNExperts, SharedExperts, SwiGLUExperts, is_expert_param
+from moetrain.moe.gates import GATES, Gate, GateOutput, register_gate
+from moetrain.moe.layer import MoELayer, RoutingStats
+from moetrain.moe.routing import RoutingPlan, make_plan
+from moetrain.moe.cosine_gate import CosineGate
+from moetrain.moe.sigmoid_gate import SigmoidGate
+from moetrain.moe.top_gate import TopKGate
+
+__all__ = [
+    "EXPERTS", "GATES", "CosineGate", "Experts", "FFNExperts", "Gate", "GateOutput", "MoELayer", "RoutingPlan",
+    "RoutingStats", "SharedExperts", "SigmoidGate", "SwiGLUExperts", "TopKGate", "is_expert_param", "make_plan",
+    "moe_layers", "register_gate", "update_router_biases",
+]
+
+
+def moe_layers(model: nn.Module) -> list[MoELayer]:
+    return [module for module in model.modules() if isinstance(module, MoELayer)]
+
+
+def update_router_biases(model: nn.Module) -> None:
+    """Apply the aux-loss-free bias update of every gate that has one; call after optimizer.step()."""
+    for layer in moe_layers(model):
+        layer.gate.update_bias()

@@ -1,0 +1,132 @@
+"""Routed experts and shared experts.
+
+Routed experts see the expert-major buffer: forward(x_RD, counts_E, capacity) where expert e's
+rows are [e*capacity, e*capacity + counts_E[e]) in the padded layout (capacity is an int; the
+rest of the block is zero padding) or [sum(counts_E[:e]), ... + counts_E[e]) in the packed layout
+(capacity is None; rows past sum(counts_E) are padding). A custom expert subclasses Experts and
+implements that forward; only the real rows' outputs are read.
+
+Every routed-expert parameter is tagged `moe_expert = True` (see is_expert_param), which is how
+the distributed optimizer knows to reduce it only across the ranks holding the same expert.
+Shared experts (DeepSeekMoE) are a dense MLP that sees every token; their parameters are shared.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moetrain.ops.grouped import expert_bias, expert_matmul
+
+ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {"relu": F.relu, "gelu": F.gelu, "silu": F.silu}
+
+
+def activation_fn(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
+    if name not in ACTIVATIONS:
+        raise ValueError(f"activation must be one of {sorted(ACTIVATIONS)}, got {name!r}")
+    return ACTIVATIONS[name]
+
+
+def mark_expert(param: nn.Parameter) -> nn.Parameter:
+    param.moe_expert = True
+    return param
+
+
+def is_expert_param(param: torch.Tensor) -> bool:
+    """True for parameters of routed experts (each rank may hold different experts)."""
+    return bool(getattr(param, "moe_expert", False))
+
+
+def _uniform(shape, fan_in: int) -> nn.Parameter:
+    bound = 1.0 / math.sqrt(fan_in)
+    return mark_expert(nn.Parameter(torch.empty(shape).uniform_(-bound, bound)))
+
+
+class Experts(nn.Module):
+    """Base class for routed experts: num_experts independent networks model_dim -> model_dim."""
+
+    def __init__(self, num_experts: int, model_dim: int, hidden_size: int):
+        super().__init__()
+        self.num_experts = num_experts
+        self.model_dim = model_dim
+        self.hidden_size = hidden_size
+
+    def forward(self, x_RD: torch.Tensor, counts_E: torch.Tensor, capacity: int | None) -> torch.Tensor:
+        raise NotImplementedError  # pragma: no cover - interface
+
+
+class FFNExperts(Experts):
+    """Two-matrix FFN per expert: act(x @ w1 + b1) @ w2 + b2."""
+
+    def __init__(self, num_experts: int, model_dim: int, hidden_size: int, activation: str = "relu"):
+        super().__init__(num_experts, model_dim, hidden_size)
+        self.activation = activation
+        self.act = activation_fn(activation)
+        self.w1 = _uniform((num_experts, model_dim, hidden_size), model_dim)
+        self.b1 = mark_expert(nn.Parameter(torch.zeros(num_experts, hidden_size)))
+        self.w2 = _uniform((num_experts, hidden_size, model_dim), hidden_size)
+        self.b2 = mark_expert(nn.Parameter(torch.zeros(num_experts, model_dim)))
+
+    def forward(self, x_RD, counts_E, capacity):
+        rows = x_RD.size(0)
+        h_RH = expert_matmul(x_RD, self.w1, counts_E, capacity)
+        h_RH = self.act(h_RH + expert_bias(self.b1, counts_E, capacity, rows).to(h_RH.dtype))
+        y_RD = expert_matmul(h_RH, self.w2, counts_E, capacity)
+        return y_RD + expert_bias(self.b2, counts_E, capacity, rows).to(y_RD.dtype)
+
+
+class SwiGLUExperts(Experts):
+    """SwiGLU per expert (Llama, Qwen3, DeepSeek): (silu(x @ w_gate) * (x @ w_up)) @ w_down."""
+
+    def __init__(self, num_experts: int, model_dim: int, hidden_size: int, activation: str = "silu"):
+        super().__init__(num_experts, model_dim, hidden_size)
+        self.act = activation_fn(activation)
+        self.w_gate = _uniform((num_experts, model_dim, hidden_size), model_dim)
+        self.w_up = _uniform((num_experts, model_dim, hidden_size), model_dim)
+        self.w_down = _uniform((num_experts, hidden_size, model_dim), hidden_size)
+
+    def forward(self, x_RD, counts_E, capacity):
+        gate_RH = expert_matmul(x_RD, self.w_gate, counts_E, capacity)
+        up_RH = expert_matmul(x_RD, self.w_up, counts_E, capacity)
+        return expert_matmul(self.act(gate_RH) * up_RH, self.w_down, counts_E, capacity)
+
+
+EXPERTS: dict[str, type[Experts]] = {"ffn": FFNExperts, "swiglu": SwiGLUExperts}
+
+
+def build_experts(expert, num_experts: int, model_dim: int, hidden_size: int, activation: str) -> Experts:
+    """expert: "ffn" | "swiglu", an Experts subclass (built like the built-ins), or an instance."""
+    if isinstance(expert, Experts):
+        if expert.num_experts != num_experts or expert.model_dim != model_dim:
+            raise ValueError(
+                f"the experts instance has num_experts={expert.num_experts}, model_dim={expert.model_dim}; "
+                f"the layer needs {num_experts} and {model_dim}"
+            )
+        return expert
+    if isinstance(expert, type) and issubclass(expert, Experts):
+        return expert(num_experts, model_dim, hidden_size, activation=activation)
+    if isinstance(expert, str) and expert in EXPERTS:
+        if expert == "swiglu" and activation == "relu":
+            activation = "silu"  # SwiGLU is defined with SiLU; relu is only the FFN default
+        return EXPERTS[expert](num_experts, model_dim, hidden_size, activation=activation)
+    raise ValueError(f"expert must be one of {sorted(EXPERTS)} or an Experts subclass/instance, got {expert!r}")
+
+
+class SharedExperts(nn.Module):
+    """Dense MLP applied to every token (DeepSeekMoE's shared experts, fused into one MLP)."""
+
+    def __init__(self, model_dim: int, hidden_size: int, swiglu: bool, activation: str):
+        super().__init__()
+        self.swiglu = swiglu
+        self.act = activation_fn(activation)
+        self.up = nn.Linear(model_dim, hidden_size, bias=not swiglu)
+        self.gate = nn.Linear(model_dim, hidden_size, bias=False) if swiglu else None
+        self.down = nn.Linear(hidden_size, model_dim, bias=not swiglu)
+
+    def forward(self, x_TD: torch.Tensor) -> torch.Tensor:
+        h_TH = self.act(self.gate(x_TD)) * self.up(x_TD) if self.swiglu else self.act(self.up(x_TD))
+        return self.down(h_TH)

@@ -1,0 +1,78 @@
+"""The gate (router) interface and the registry of built-in gates.
+
+A gate maps tokens to a choice of k experts and the weights that combine their outputs.
+Shape letters used across moetrain/moe: T tokens, D model dim, E experts, K choices per token
+(top-k), H expert hidden size, R rows of the expert-major buffer, N = T*K routing entries.
+
+To add a gate: subclass Gate in a new file, implement forward(), and either pass the class to
+MoELayer(gate=MyGate) or register it by name with @register_gate("name").
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch import nn
+
+
+@dataclass
+class GateOutput:
+    logits_TE: torch.Tensor  # raw router logits, fp32 (the z-loss reads them)
+    probs_TE: torch.Tensor  # per-token distribution over experts, fp32 (the balance loss reads it)
+    topk_idx_TK: torch.Tensor  # int64 chosen experts, best first
+    topk_weight_TK: torch.Tensor  # fp32 weights that combine the chosen experts' outputs
+
+
+class Gate(nn.Module):
+    """Base class. Subclasses are built as Cls(model_dim, num_experts, **gate_kwargs)."""
+
+    def __init__(self, model_dim: int, num_experts: int):
+        super().__init__()
+        self.model_dim = model_dim
+        self.num_experts = num_experts
+
+    def forward(self, x_TD: torch.Tensor, top_k: int) -> GateOutput:  # pragma: no cover - interface
+        raise NotImplementedError
+
+    def update_bias(self) -> None:
+        """Called after each optimizer step; gates without a load-balancing bias do nothing."""
+
+
+GATES: dict[str, type[Gate]] = {}
+
+
+def register_gate(name: str) -> Callable[[type[Gate]], type[Gate]]:
+    def add(cls: type[Gate]) -> type[Gate]:
+        GATES[name] = cls
+        return cls
+
+    return add
+
+
+def build_gate(gate, model_dim: int, num_experts: int, gate_kwargs: dict | None) -> Gate:
+    """gate: a registered name, a Gate subclass, or a ready Gate instance."""
+    if isinstance(gate, Gate):
+        if gate_kwargs:
+            raise ValueError("gate_kwargs cannot be combined with a Gate instance; configure the instance instead")
+        return gate
+    if isinstance(gate, type) and issubclass(gate, Gate):
+        cls = gate
+    elif isinstance(gate, str) and gate in GATES:
+        cls = GATES[gate]
+    else:
+        raise ValueError(f"gate must be one of {sorted(GATES)} or a Gate subclass/instance, got {gate!r}")
+    try:
+        return cls(model_dim, num_experts, **(gate_kwargs or {}))
+    except TypeError as error:
+        raise ValueError(f"gate_kwargs {sorted(gate_kwargs or {})} do not fit gate {cls.__name__}: {error}") from None
+
+
+def softmax_topk(logits_TE: torch.Tensor, top_k: int, normalize: bool) -> GateOutput:
+    """Softmax over experts in fp32, then the k largest probabilities (Switch k=1, GShard k=2)."""
+    probs_TE = torch.softmax(logits_TE, dim=-1)
+    weight_TK, idx_TK = torch.topk(probs_TE, top_k, dim=-1)
+    if normalize:
+        weight_TK = weight_TK / weight_TK.sum(-1, keepdim=True)
+    return GateOutput(logits_TE, probs_TE, idx_TK, weight_TK)

@@ -1,0 +1,143 @@
+"""MoELayer: gate -> routing plan -> dispatch -> experts -> gate-weighted combine (+ shared experts).
+
+    layer = MoELayer(model_dim=512, num_experts=8, hidden_size=1024, top_k=2, gate="top",
+                     capacity_factor=1.0, activation="relu")
+    y = layer(x)                               # x [..., model_dim] -> y, same shape
+    y = layer(x, top_k=1, capacity_factor=0)   # sparsity and capacity switchable per call
+    loss = task_loss + 0.01 * layer.aux_loss   # aux_loss of the last call
+    layer.stats.tokens_per_expert, layer.stats.dropped_fraction
+
+Dispatch and combine run the compiled kernels (impl="kernel", the default) or the pure-torch
+reference (impl="torch"); both compute the same function.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from moetrain import ops
+from moetrain.moe import losses
+from moetrain.moe.experts import SharedExperts, activation_fn, build_experts
+from moetrain.moe.gates import Gate, build_gate
+from moetrain.moe.routing import RoutingPlan, make_plan
+
+# Importing the built-in gates registers them by name.
+from moetrain.moe import cosine_gate, sigmoid_gate, top_gate  # noqa: F401,E402  isort: skip
+
+
+@dataclass
+class RoutingStats:
+    """Routing statistics of one forward call (tensors stay on the device until read)."""
+
+    tokens_per_expert: torch.Tensor  # int64 [E] routing choices per expert, before dropping
+    kept_per_expert: torch.Tensor  # int64 [E] choices that got a slot
+    capacity: int  # rows per expert (padded layout), or the largest expert load when dropless
+    balance_loss: torch.Tensor
+    z_loss: torch.Tensor
+
+    @property
+    def dropped_fraction(self) -> float:
+        total = int(self.tokens_per_expert.sum())
+        return 1.0 - int(self.kept_per_expert.sum()) / total if total else 0.0
+
+
+def _positive_int(name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    return value
+
+
+class MoELayer(nn.Module):
+    def __init__(
+        self,
+        model_dim: int,
+        num_experts: int,
+        hidden_size: int,
+        top_k: int = 2,
+        gate="top",
+        capacity_factor: float = 1.0,
+        activation: str = "relu",
+        expert="ffn",
+        num_shared_experts: int = 0,
+        shared_hidden_size: int | None = None,
+        balance_loss_weight: float = 1.0,
+        z_loss_weight: float = 0.0,
+        batch_prioritized: bool = False,
+        impl: str = "kernel",
+        gate_kwargs: dict | None = None,
+    ):
+        super().__init__()
+        self.model_dim = _positive_int("model_dim", model_dim)
+        self.num_experts = _positive_int("num_experts", num_experts)
+        _positive_int("hidden_size", hidden_size)
+        self.top_k = self._check_top_k(top_k)
+        self.capacity_factor = self._check_capacity_factor(capacity_factor)
+        if num_shared_experts < 0 or isinstance(num_shared_experts, bool) or not isinstance(num_shared_experts, int):
+            raise ValueError(f"num_shared_experts must be an integer >= 0, got {num_shared_experts!r}")
+        activation_fn(activation)
+        self.impl = ops.check_impl(impl)
+        self.batch_prioritized = bool(batch_prioritized)
+        self.balance_loss_weight = float(balance_loss_weight)
+        self.z_loss_weight = float(z_loss_weight)
+        self.gate: Gate = build_gate(gate, model_dim, num_experts, gate_kwargs)
+        self.experts = build_experts(expert, num_experts, model_dim, hidden_size, activation)
+        self.shared = None
+        if num_shared_experts:
+            swiglu = expert == "swiglu"
+            self.shared = SharedExperts(
+                model_dim,
+                num_shared_experts * (shared_hidden_size or hidden_size),
+                swiglu=swiglu,
+                activation="silu" if swiglu and activation == "relu" else activation,
+            )
+        self.aux_loss: torch.Tensor | None = None
+        self.stats: RoutingStats | None = None
+
+    def _check_top_k(self, top_k) -> int:
+        if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= self.num_experts:
+            raise ValueError(f"top_k must be an integer in [1, num_experts={self.num_experts}], got {top_k!r}")
+        return top_k
+
+    @staticmethod
+    def _check_capacity_factor(capacity_factor) -> float:
+        if isinstance(capacity_factor, bool) or not isinstance(capacity_factor, (int, float)):
+            raise ValueError(f"capacity_factor must be a number (>0 padded, 0 dropless, <0 capped), got {capacity_factor!r}")
+        return float(capacity_factor)
+
+    def extra_repr(self) -> str:
+        return (f"model_dim={self.model_dim}, num_experts={self.num_experts}, top_k={self.top_k}, "
+                f"capacity_factor={self.capacity_factor}, impl={self.impl!r}")
+
+    def forward(self, x: torch.Tensor, top_k: int | None = None, capacity_factor: float | None = None) -> torch.Tensor:
+        if x.size(-1) != self.model_dim:
+            raise ValueError(f"x's last dimension must be model_dim={self.model_dim}, got shape {tuple(x.shape)}")
+        top_k = self.top_k if top_k is None else self._check_top_k(top_k)
+        cf = self.capacity_factor if capacity_factor is None else self._check_capacity_factor(capacity_factor)
+        x_TD = x.reshape(-1, self.model_dim)
+
+        routed = self.gate(x_TD, top_k)
+        plan = make_plan(routed.topk_idx_TK, routed.topk_weight_TK, self.num_experts, cf, self.batch_prioritized, self.impl)
+        buf_RD = ops.dispatch(x_TD, plan.dest_TK, plan.num_rows, impl=self.impl)
+        out_RD = self.run_experts(buf_RD, plan)
+        y_TD = ops.combine(out_RD, plan.dest_TK, routed.topk_weight_TK, impl=self.impl)
+        if self.shared is not None:
+            y_TD = y_TD + self.shared(x_TD).to(y_TD.dtype)
+
+        balance = losses.balance_loss(routed.probs_TE, routed.topk_idx_TK)
+        z = losses.z_loss(routed.logits_TE)
+        self.aux_loss = self.balance_loss_weight * balance + self.z_loss_weight * z
+        self.stats = RoutingStats(
+            tokens_per_expert=plan.load_E.detach(),
+            kept_per_expert=plan.counts_E.detach(),
+            capacity=plan.capacity if plan.capacity is not None else int(plan.counts_E.max()),
+            balance_loss=balance.detach(),
+            z_loss=z.detach(),
+        )
+        return y_TD.view(x.shape[:-1] + (y_TD.size(-1),))
+
+    def run_experts(self, buf_RD: torch.Tensor, plan: RoutingPlan) -> torch.Tensor:
+        """The experts on the expert-major buffer; expert parallelism replaces this seam."""
+        return self.experts(buf_RD, plan.counts_E, plan.capacity)

@@ -1,0 +1,24 @@
+"""Auxiliary router losses.
+
+balance_loss (Switch/GShard load balancing): E * sum_e f_e * P_e, with f_e the fraction of the
+T*K routing choices that picked expert e and P_e the mean router probability of expert e. It is 1
+when both are uniform and grows as routing collapses onto few experts; only P_e carries gradient.
+
+z_loss (ST-MoE router z-loss): mean over tokens of logsumexp(logits)^2; it keeps router logits
+small so the softmax stays numerically tame.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def balance_loss(probs_TE: torch.Tensor, topk_idx_TK: torch.Tensor) -> torch.Tensor:
+    num_experts = probs_TE.size(-1)
+    counts_E = torch.bincount(topk_idx_TK.reshape(-1), minlength=num_experts).to(probs_TE.dtype)
+    fraction_E = counts_E / topk_idx_TK.numel()
+    return num_experts * torch.sum(fraction_E * probs_TE.mean(0))
+
+
+def z_loss(logits_TE: torch.Tensor) -> torch.Tensor:
+    return torch.logsumexp(logits_TE.float(), dim=-1).square().mean()

@@ -1,0 +1,32 @@
+"""Softmax top-k gate (Switch k=1, GShard k=2).
+
+Qwen3-MoE routing is this gate with normalize=True (softmax over all experts, top-k, renormalise
+the k weights to sum to one); Mixtral's is the same. The router weight is kept and applied in fp32.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from moetrain.moe.gates import Gate, GateOutput, register_gate, softmax_topk
+
+
+@register_gate("top")
+class TopKGate(Gate):
+    def __init__(self, model_dim: int, num_experts: int, normalize: bool = False, jitter_eps: float = 0.0):
+        super().__init__(model_dim, num_experts)
+        if jitter_eps < 0:
+            raise ValueError(f"jitter_eps must be >= 0, got {jitter_eps}")
+        self.normalize = normalize
+        self.jitter_eps = jitter_eps
+        self.weight_ED = nn.Parameter(torch.empty(num_experts, model_dim))
+        nn.init.normal_(self.weight_ED, std=model_dim**-0.5)
+
+    def forward(self, x_TD: torch.Tensor, top_k: int) -> GateOutput:
+        x_TD = x_TD.float()
+        if self.training and self.jitter_eps > 0:
+            # Switch Transformer's jitter: multiplicative uniform noise on the router input.
+            x_TD = x_TD * torch.empty_like(x_TD).uniform_(1 - self.jitter_eps, 1 + self.jitter_eps)
+        logits_TE = x_TD @ self.weight_ED.float().t()
+        return softmax_topk(logits_TE, top_k, self.normalize)
