@@ -1,0 +1,270 @@
+"""Transformer building blocks shared by the image classifier and the decoder language model.
+
+Shape letters: B batch, T sequence (tokens or patches), D model width, N attention heads,
+K key/value heads (grouped-query attention: N is a multiple of K), Hd head width, R rotary width.
+
+A block is pre-norm: x + attention(norm(x)), then x + ffn(norm(x)). The feed-forward network is an
+MoELayer (routed experts, optionally shared experts) or a dense FFN; which one is decided by the
+model, so the same block serves ViT-style classifiers and DeepSeek/Qwen-style language models.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moetrain.moe import MoELayer
+
+NORMS = ("rmsnorm", "layernorm")
+DENSE_FFNS = ("ffn", "swiglu")
+ACTIVATIONS = {"relu": F.relu, "gelu": F.gelu, "silu": F.silu}
+
+# Keys of the dict forwarded to every MoELayer (`moe_kwargs`); the width, expert count, expert
+# type, activation and shared experts are arguments of the model itself.
+MOE_KWARGS = (
+    "gate",
+    "top_k",
+    "capacity_factor",
+    "gate_kwargs",
+    "balance_loss_weight",
+    "z_loss_weight",
+    "batch_prioritized",
+    "impl",
+    "shared_hidden_size",
+)
+
+
+def make_norm(kind: str, dim: int, eps: float = 1e-6) -> nn.Module:
+    if kind == "rmsnorm":
+        return nn.RMSNorm(dim, eps=eps)
+    if kind == "layernorm":
+        return nn.LayerNorm(dim, eps=eps)
+    raise ValueError(f"norm must be one of {NORMS}, got {kind!r}")
+
+
+def check_moe_kwargs(moe_kwargs: dict | None) -> dict:
+    moe_kwargs = dict(moe_kwargs or {})
+    unknown = sorted(set(moe_kwargs) - set(MOE_KWARGS))
+    if unknown:
+        raise ValueError(f"moe_kwargs has unknown key(s) {unknown}; allowed keys: {list(MOE_KWARGS)}")
+    return moe_kwargs
+
+
+class DenseFeedForward(nn.Module):
+    """The dense FFN of non-MoE blocks: "ffn" is Linear-act-Linear with biases (ViT, Switch),
+    "swiglu" is down(silu(gate(x)) * up(x)) without biases (DeepSeek, Qwen, Mixtral)."""
+
+    def __init__(self, dim: int, hidden_size: int, kind: str = "ffn", activation: str = "gelu"):
+        super().__init__()
+        if kind not in DENSE_FFNS:
+            raise ValueError(f"dense ffn must be one of {DENSE_FFNS}, got {kind!r}")
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"activation must be one of {tuple(ACTIVATIONS)}, got {activation!r}")
+        self.kind = kind
+        self.activation = ACTIVATIONS[activation]
+        if kind == "ffn":
+            self.fc1 = nn.Linear(dim, hidden_size)
+            self.fc2 = nn.Linear(hidden_size, dim)
+        else:
+            self.gate_proj = nn.Linear(dim, hidden_size, bias=False)
+            self.up_proj = nn.Linear(dim, hidden_size, bias=False)
+            self.down_proj = nn.Linear(hidden_size, dim, bias=False)
+
+    def forward(self, x_BTD: torch.Tensor) -> torch.Tensor:
+        if self.kind == "ffn":
+            return self.fc2(self.activation(self.fc1(x_BTD)))
+        return self.down_proj(F.silu(self.gate_proj(x_BTD)) * self.up_proj(x_BTD))
+
+
+def rotary_tables(
+    head_dim: int, max_positions: int, theta: float, device=None, inverse_frequency_scale=None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin tables [max_positions, head_dim] in the "rotate half" layout (HF Llama/Qwen).
+
+    `inverse_frequency_scale` (a callable on the inverse frequencies) lets context-extension
+    schemes such as YaRN rescale the frequencies without another code path.
+    """
+    inv_freq_R = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64, device=device) / head_dim))
+    if inverse_frequency_scale is not None:
+        inv_freq_R = inverse_frequency_scale(inv_freq_R)
+    angles_TR = torch.outer(torch.arange(max_positions, dtype=torch.float64, device=device), inv_freq_R)
+    angles_THd = torch.cat([angles_TR, angles_TR], dim=-1)
+    return angles_THd.cos().float(), angles_THd.sin().float()
+
+
+def apply_rotary(x_BNTHd: torch.Tensor, cos_THd: torch.Tensor, sin_THd: torch.Tensor) -> torch.Tensor:
+    half = x_BNTHd.shape[-1] // 2
+    rotated = torch.cat([-x_BNTHd[..., half:], x_BNTHd[..., :half]], dim=-1)
+    return (x_BNTHd * cos_THd + rotated * sin_THd).to(x_BNTHd.dtype)
+
+
+class Attention(nn.Module):
+    """Multi-head attention with optional grouped-query heads, rotary embedding and per-head
+    q/k RMSNorm (Qwen3), computed by torch's scaled_dot_product_attention."""
+
+    def __init__(
+        self,
+        dim: int,
+        num_heads: int,
+        num_kv_heads: int | None = None,
+        head_dim: int | None = None,
+        bias: bool = False,
+        qk_norm: bool = False,
+        norm_eps: float = 1e-6,
+        causal: bool = False,
+        dropout: float = 0.0,
+    ):
+        super().__init__()
+        num_kv_heads = num_kv_heads or num_heads
+        if num_heads % num_kv_heads:
+            raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
+        if head_dim is None:
+            if dim % num_heads:
+                raise ValueError(f"dim ({dim}) must be divisible by num_heads ({num_heads}) when head_dim is unset")
+            head_dim = dim // num_heads
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.causal, self.dropout = causal, dropout
+        self.q_proj = nn.Linear(dim, num_heads * head_dim, bias=bias)
+        self.k_proj = nn.Linear(dim, num_kv_heads * head_dim, bias=bias)
+        self.v_proj = nn.Linear(dim, num_kv_heads * head_dim, bias=bias)
+        self.o_proj = nn.Linear(num_heads * head_dim, dim, bias=bias)
+        self.q_norm = nn.RMSNorm(head_dim, eps=norm_eps) if qk_norm else None
+        self.k_norm = nn.RMSNorm(head_dim, eps=norm_eps) if qk_norm else None
+
+    def forward(self, x_BTD: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        B, T, _ = x_BTD.shape
+        q_BNTHd = self.q_proj(x_BTD).view(B, T, self.num_heads, self.head_dim).transpose(1, 2)
+        k_BKTHd = self.k_proj(x_BTD).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        v_BKTHd = self.v_proj(x_BTD).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        if self.q_norm is not None:
+            q_BNTHd, k_BKTHd = self.q_norm(q_BNTHd), self.k_norm(k_BKTHd)
+        if rotary is not None:
+            cos_THd, sin_THd = rotary[0][:T], rotary[1][:T]
+            q_BNTHd, k_BKTHd = apply_rotary(q_BNTHd, cos_THd, sin_THd), apply_rotary(k_BKTHd, cos_THd, sin_THd)
+        o_BNTHd = F.scaled_dot_product_attention(
+            q_BNTHd,
+            k_BKTHd,
+            v_BKTHd,
+            dropout_p=self.dropout if self.training else 0.0,
+            is_causal=self.causal,
+            enable_gqa=self.num_kv_heads != self.num_heads,
+        )
+        return self.o_proj(o_BNTHd.transpose(1, 2).reshape(B, T, -1))
+
+
+class LatentAttention(nn.Module):
+    """Multi-head latent attention (DeepSeek-V2/V3, Kimi-K2).
+
+    Keys and values are rebuilt per head from a shared low-rank latent (kv_lora_rank) plus one
+    rotary key shared by all heads; queries optionally go through their own low-rank bottleneck.
+    Each query/key head is [no-rotary part (nope) | rotary part (rope)]; values have v_head_dim.
+    The rotary part uses the interleaved pair layout of the DeepSeek checkpoints.
+    """
+
+    def __init__(
+        self,
+        dim: int,
+        num_heads: int,
+        q_lora_rank: int | None,
+        kv_lora_rank: int,
+        qk_nope_head_dim: int,
+        qk_rope_head_dim: int,
+        v_head_dim: int,
+        norm_eps: float = 1e-6,
+        softmax_scale: float | None = None,
+        dropout: float = 0.0,
+    ):
+        super().__init__()
+        self.num_heads, self.kv_lora_rank = num_heads, kv_lora_rank
+        self.nope_dim, self.rope_dim, self.v_head_dim = qk_nope_head_dim, qk_rope_head_dim, v_head_dim
+        qk_head_dim = qk_nope_head_dim + qk_rope_head_dim
+        self.softmax_scale = softmax_scale if softmax_scale is not None else qk_head_dim**-0.5
+        self.dropout = dropout
+        if q_lora_rank is None:
+            self.q_proj = nn.Linear(dim, num_heads * qk_head_dim, bias=False)
+        else:
+            self.q_a_proj = nn.Linear(dim, q_lora_rank, bias=False)
+            self.q_a_norm = nn.RMSNorm(q_lora_rank, eps=norm_eps)
+            self.q_b_proj = nn.Linear(q_lora_rank, num_heads * qk_head_dim, bias=False)
+        self.kv_a_proj = nn.Linear(dim, kv_lora_rank + qk_rope_head_dim, bias=False)
+        self.kv_a_norm = nn.RMSNorm(kv_lora_rank, eps=norm_eps)
+        self.kv_b_proj = nn.Linear(kv_lora_rank, num_heads * (qk_nope_head_dim + v_head_dim), bias=False)
+        self.o_proj = nn.Linear(num_heads * v_head_dim, dim, bias=False)
+
+    @staticmethod
+    def _deinterleave(x: torch.Tensor) -> torch.Tensor:
+        # Checkpoint pairs (x0, x1), (x2, x3), ... -> halves (x0, x2, ..., x1, x3, ...), so the
+        # "rotate half" tables apply.
+        return x.unflatten(-1, (-1, 2)).transpose(-1, -2).flatten(-2)
+
+    def forward(self, x_BTD: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        B, T, _ = x_BTD.shape
+        if hasattr(self, "q_proj"):
+            q = self.q_proj(x_BTD)
+        else:
+            q = self.q_b_proj(self.q_a_norm(self.q_a_proj(x_BTD)))
+        q_BNTHd = q.view(B, T, self.num_heads, -1).transpose(1, 2)
+        q_nope, q_rope = q_BNTHd.split([self.nope_dim, self.rope_dim], dim=-1)
+
+        latent_BTL, k_rope_BTR = self.kv_a_proj(x_BTD).split([self.kv_lora_rank, self.rope_dim], dim=-1)
+        kv_BNTHd = self.kv_b_proj(self.kv_a_norm(latent_BTL)).view(B, T, self.num_heads, -1).transpose(1, 2)
+        k_nope, v_BNTHd = kv_BNTHd.split([self.nope_dim, self.v_head_dim], dim=-1)
+
+        cos_TR, sin_TR = rotary[0][:T], rotary[1][:T]
+        q_rope = apply_rotary(self._deinterleave(q_rope), cos_TR, sin_TR)
+        k_rope_B1TR = apply_rotary(self._deinterleave(k_rope_BTR.unsqueeze(1)), cos_TR, sin_TR)
+        q_BNTHd = torch.cat([q_nope, q_rope], dim=-1)
+        k_BNTHd = torch.cat([k_nope, k_rope_B1TR.expand(-1, self.num_heads, -1, -1)], dim=-1)
+        o_BNTHd = F.scaled_dot_product_attention(
+            q_BNTHd,
+            k_BNTHd,
+            v_BNTHd,
+            dropout_p=self.dropout if self.training else 0.0,
+            is_causal=True,
+            scale=self.softmax_scale,
+        )
+        return self.o_proj(o_BNTHd.transpose(1, 2).reshape(B, T, -1))
+
+
+class TransformerBlock(nn.Module):
+    """Pre-norm residual block: x + attention(norm(x)), then x + ffn(norm(x))."""
+
+    def __init__(self, dim: int, attention: nn.Module, ffn: nn.Module, norm: str = "rmsnorm", norm_eps: float = 1e-6, dropout: float = 0.0):
+        super().__init__()
+        self.attn_norm = make_norm(norm, dim, norm_eps)
+        self.attn = attention
+        self.ffn_norm = make_norm(norm, dim, norm_eps)
+        self.ffn = ffn
+        self.dropout = nn.Dropout(dropout)
+
+    @property
+    def is_moe(self) -> bool:
+        return isinstance(self.ffn, MoELayer)
+
+    def forward(self, x_BTD: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        x_BTD = x_BTD + self.dropout(self.attn(self.attn_norm(x_BTD), rotary))
+        return x_BTD + self.dropout(self.ffn(self.ffn_norm(x_BTD)))
+
+
+def init_normal_(model: nn.Module, std: float = 0.02) -> None:
+    """GPT-style initialisation of the linear and embedding weights the model owns (biases to 0);
+    MoE layers keep their own initialisation."""
+    moe_owned = {id(sub) for layer in model.modules() if isinstance(layer, MoELayer) for sub in layer.modules()}
+    for sub in model.modules():
+        if id(sub) in moe_owned or not isinstance(sub, (nn.Linear, nn.Embedding)):
+            continue
+        nn.init.normal_(sub.weight, std=std)
+        if getattr(sub, "bias", None) is not None:
+            nn.init.zeros_(sub.bias)
+
+
+def moe_block_indices(depth: int, moe_every: int, first_dense: int = 0) -> list[int]:
+    """Blocks whose FFN is an MoELayer: after the first `first_dense` blocks, the last block of
+    every group of `moe_every` (moe_every=2 gives blocks 1, 3, 5, ... as in Switch and GShard)."""
+    if moe_every < 1:
+        raise ValueError(f"moe_every must be >= 1, got {moe_every}")
+    if not 0 <= first_dense <= depth:
+        raise ValueError(f"first_dense must be in [0, depth={depth}], got {first_dense}")
+    return [i for i in range(first_dense, depth) if (i - first_dense) % moe_every == moe_every - 1]
+
