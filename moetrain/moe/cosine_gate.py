@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moetrain.moe.gates import Gate, GateOutput, register_gate, softmax_topk
+from moetrain.moe.gates import Gate, GateOutput, register_gate, router_float, softmax_topk
 
 _MAX_SCALE = 100.0
 
@@ -34,7 +34,8 @@ class CosineGate(Gate):
         self.log_scale = nn.Parameter(torch.tensor(math.log(1.0 / init_temperature)))
 
     def forward(self, x_TD: torch.Tensor, top_k: int) -> GateOutput:
-        proj_TP = F.linear(x_TD.float(), self.proj.weight.float(), self.proj.bias.float())
-        cos_TE = F.normalize(proj_TP, dim=-1) @ F.normalize(self.expert_dirs_EP.float(), dim=-1).t()
+        x_TD = router_float(x_TD)
+        proj_TP = F.linear(x_TD, self.proj.weight.to(x_TD.dtype), self.proj.bias.to(x_TD.dtype))
+        cos_TE = F.normalize(proj_TP, dim=-1) @ F.normalize(self.expert_dirs_EP.to(x_TD.dtype), dim=-1).t()
         scale = self.log_scale.clamp(max=math.log(_MAX_SCALE)).exp()
         return softmax_topk(cos_TE * scale, top_k, self.normalize)

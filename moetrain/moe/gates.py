@@ -69,6 +69,11 @@ def build_gate(gate, model_dim: int, num_experts: int, gate_kwargs: dict | None)
         raise ValueError(f"gate_kwargs {sorted(gate_kwargs or {})} do not fit gate {cls.__name__}: {error}") from None
 
 
+def router_float(x: torch.Tensor) -> torch.Tensor:
+    """Routers compute in fp32 even for bf16/fp16 activations (fp64 stays fp64)."""
+    return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
 def softmax_topk(logits_TE: torch.Tensor, top_k: int, normalize: bool) -> GateOutput:
     """Softmax over experts in fp32, then the k largest probabilities (Switch k=1, GShard k=2)."""
     probs_TE = torch.softmax(logits_TE, dim=-1)

@@ -21,4 +21,4 @@ def balance_loss(probs_TE: torch.Tensor, topk_idx_TK: torch.Tensor) -> torch.Ten
 
 
 def z_loss(logits_TE: torch.Tensor) -> torch.Tensor:
-    return torch.logsumexp(logits_TE.float(), dim=-1).square().mean()
+    return torch.logsumexp(logits_TE, dim=-1).square().mean()

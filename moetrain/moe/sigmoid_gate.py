@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from moetrain.moe.gates import Gate, GateOutput, register_gate
+from moetrain.moe.gates import Gate, GateOutput, register_gate, router_float
 
 
 @register_gate("sigmoid")
@@ -43,7 +43,8 @@ class SigmoidGate(Gate):
         self.register_buffer("pending_load", torch.zeros(num_experts), persistent=False)
 
     def forward(self, x_TD: torch.Tensor, top_k: int) -> GateOutput:
-        logits_TE = x_TD.float() @ self.weight_ED.float().t()
+        x_TD = router_float(x_TD)
+        logits_TE = x_TD @ self.weight_ED.to(x_TD.dtype).t()
         scores_TE = torch.sigmoid(logits_TE)
         choice_TE = scores_TE + self.expert_bias
         if self.n_group > 1:

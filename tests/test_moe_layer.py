@@ -1,0 +1,254 @@
+"""MoELayer (kernel and torch paths) against a naive loop over tokens and experts."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from moetrain import MoELayer
+from moetrain.moe import SigmoidGate, is_expert_param, moe_layers, update_router_biases
+
+GATES = {
+    "top": {},
+    "top_normalized": {"gate": "top", "gate_kwargs": {"normalize": True}},
+    "cosine": {"gate": "cosine", "gate_kwargs": {"proj_dim": 8}},
+    "sigmoid": {"gate": "sigmoid", "gate_kwargs": {"n_group": 2, "topk_group": 2, "routed_scaling_factor": 2.5}},
+}
+
+
+def expert_of(layer, e, x_D):
+    ex = layer.experts
+    if hasattr(ex, "w1"):
+        return ex.act(x_D @ ex.w1[e] + ex.b1[e]) @ ex.w2[e] + ex.b2[e]
+    return (F.silu(x_D @ ex.w_gate[e]) * (x_D @ ex.w_up[e])) @ ex.w_down[e]
+
+
+def naive_moe(layer, x, top_k, capacity_factor, batch_prioritized=False):
+    """Token by token: who keeps a slot, then the weighted sum of the kept experts' outputs."""
+    x_TD = x.reshape(-1, layer.model_dim)
+    routed = layer.gate(x_TD, top_k)
+    idx, weight = routed.topk_idx_TK.tolist(), routed.topk_weight_TK
+    tokens, experts = x_TD.size(0), layer.num_experts
+    cap = None if capacity_factor == 0 else top_k * math.ceil(abs(capacity_factor) * tokens / experts)
+    order = list(range(tokens))
+    if batch_prioritized:
+        best = weight.max(-1).values.tolist()
+        order.sort(key=lambda t: -best[t])
+    used = [0] * experts
+    keep = [[False] * top_k for _ in range(tokens)]
+    for j in range(top_k):
+        for t in order:
+            e = idx[t][j]
+            if cap is None or used[e] < cap:
+                keep[t][j] = True
+            used[e] += 1
+    rows = []
+    for t in range(tokens):
+        y_D = torch.zeros(layer.model_dim, dtype=x.dtype)
+        for j in range(top_k):
+            if keep[t][j]:
+                y_D = y_D + weight[t, j].to(x.dtype) * expert_of(layer, idx[t][j], x_TD[t])
+        if layer.shared is not None:
+            y_D = y_D + layer.shared(x_TD[t : t + 1])[0]
+        rows.append(y_D)
+    dropped = 1 - sum(map(sum, keep)) / (tokens * top_k)
+    return torch.stack(rows).view_as(x), dropped, used
+
+
+def make_layer(gate, impl="kernel", **overrides):
+    kwargs = dict(model_dim=12, num_experts=6, hidden_size=10, top_k=2, capacity_factor=1.0, impl=impl)
+    kwargs.update(GATES[gate])
+    kwargs.update(overrides)
+    return MoELayer(**kwargs)
+
+
+def run_both(gate, x, call_kwargs=None, **overrides):
+    """Same weights, kernel and torch paths; returns outputs and gradients of each."""
+    results = {}
+    for impl in ("kernel", "torch"):
+        torch.manual_seed(7)
+        layer = make_layer(gate, impl=impl, **overrides).double()
+        xi = x.clone().requires_grad_()
+        y = layer(xi, **(call_kwargs or {}))
+        grad = torch.randn(y.shape, generator=torch.Generator().manual_seed(3), dtype=y.dtype)
+        (y * grad).sum().backward()
+        results[impl] = (layer, xi, y)
+    return results
+
+
+@pytest.mark.parametrize("gate", list(GATES))
+@pytest.mark.parametrize("capacity_factor", [1.0, 0.5, 0.0, -0.6])
+@pytest.mark.parametrize("shared", [0, 1])
+def test_layer_matches_naive_loop(gate, capacity_factor, shared):
+    x = torch.randn(3, 13, 12, dtype=torch.float64)  # 39 tokens: divisible by nothing useful
+    results = run_both(gate, x, capacity_factor=capacity_factor, num_shared_experts=shared)
+    (kl, kx, ky), (tl, tx, ty) = results["kernel"], results["torch"]
+    torch.testing.assert_close(ky, ty)
+    torch.testing.assert_close(kx.grad, tx.grad)
+    for (name, kp), tp in zip(kl.named_parameters(), tl.parameters()):
+        torch.testing.assert_close(kp.grad, tp.grad, msg=name)
+    with torch.no_grad():
+        want, dropped, load = naive_moe(kl, x, 2, capacity_factor)
+    torch.testing.assert_close(ky, want)
+    assert kl.stats.dropped_fraction == pytest.approx(dropped)
+    assert kl.stats.tokens_per_expert.tolist() == load
+    if capacity_factor == 0:
+        assert kl.stats.dropped_fraction == 0 and kl.stats.capacity == max(load)
+
+
+@pytest.mark.parametrize("top_k", [1, 2, 3, 5, 8])
+@pytest.mark.parametrize("expert", ["ffn", "swiglu"])
+def test_top_k_and_expert_types(top_k, expert):
+    x = torch.randn(29, 12, dtype=torch.float64)
+    results = run_both("top", x, num_experts=8, top_k=top_k, expert=expert, capacity_factor=1.25)
+    layer, _, y = results["kernel"]
+    torch.testing.assert_close(y, results["torch"][2])
+    with torch.no_grad():
+        torch.testing.assert_close(y, naive_moe(layer, x, top_k, 1.25)[0])
+
+
+def test_gradients_match_naive_loop():
+    torch.manual_seed(0)
+    layer = make_layer("top", num_shared_experts=1, capacity_factor=0.75).double()
+    x = torch.randn(21, 12, dtype=torch.float64)
+    grads = []
+    for fn in (lambda: layer(x), lambda: naive_moe(layer, x, 2, 0.75)[0]):
+        layer.zero_grad()
+        (fn() * torch.linspace(-1, 1, 12, dtype=torch.float64)).sum().backward()
+        grads.append([p.grad.clone() for p in layer.parameters()])
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b)
+
+
+def test_gradcheck_whole_layer_fp64():
+    torch.manual_seed(1)
+    layer = make_layer("top", capacity_factor=0.0, num_shared_experts=1).double()
+    x = torch.randn(9, 12, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda x: layer(x), (x,))
+
+
+def test_many_experts_empty_experts_and_one_hot_expert():
+    torch.manual_seed(2)
+    layer = make_layer("top", num_experts=256, top_k=4, capacity_factor=0.0).double()
+    x = torch.randn(17, 12, dtype=torch.float64)  # 68 choices over 256 experts: most are empty
+    y = layer(x)
+    assert (layer.stats.tokens_per_expert == 0).sum() > 150
+    torch.testing.assert_close(y, naive_moe(layer, x, 4, 0.0)[0])
+    # Every token on one expert: make the router prefer expert 3 for any input.
+    with torch.no_grad():
+        layer.gate.weight_ED.zero_()
+        layer.gate.weight_ED[3] = 1.0
+    x = torch.rand(40, 12, dtype=torch.float64) + 0.5
+    for cf in (1.0, 0.0):
+        y = layer(x, top_k=1, capacity_factor=cf)
+        assert layer.stats.tokens_per_expert[3] == 40
+        torch.testing.assert_close(y, naive_moe(layer, x, 1, cf)[0])
+    assert layer.stats.dropped_fraction == 0
+    layer(x, top_k=1, capacity_factor=1.0)
+    assert layer.stats.dropped_fraction == pytest.approx(1 - 1 / 40)  # capacity 1*ceil(40/256) = 1
+
+
+def test_batch_prioritized_keeps_confident_tokens():
+    torch.manual_seed(3)
+    x = torch.randn(30, 12, dtype=torch.float64)
+    results = run_both("top", x, batch_prioritized=True, capacity_factor=0.5)
+    layer, _, y = results["kernel"]
+    torch.testing.assert_close(y, results["torch"][2])
+    with torch.no_grad():
+        want, dropped, _ = naive_moe(layer, x, 2, 0.5, batch_prioritized=True)
+    torch.testing.assert_close(y, want)
+    assert dropped > 0
+
+
+def test_per_call_overrides_and_bf16():
+    layer = MoELayer(model_dim=16, num_experts=4, hidden_size=24, top_k=2)
+    x = torch.randn(2, 7, 16)
+    assert layer(x, top_k=1, capacity_factor=0).shape == x.shape and layer.stats.dropped_fraction == 0
+    assert layer.top_k == 2 and layer.capacity_factor == 1.0  # overrides do not stick
+    y32 = layer(x)
+    yb = layer.to(torch.bfloat16)(x.bfloat16())
+    assert yb.dtype == torch.bfloat16
+    torch.testing.assert_close(yb.float(), y32, rtol=5e-2, atol=5e-2)
+
+
+def test_losses_match_hand_formulas():
+    torch.manual_seed(4)
+    layer = MoELayer(model_dim=8, num_experts=5, hidden_size=4, top_k=2, balance_loss_weight=0.3, z_loss_weight=0.07)
+    x = torch.randn(11, 8)
+    layer(x)
+    logits = x @ layer.gate.weight_ED.t()
+    probs = torch.softmax(logits, -1)
+    chosen = probs.topk(2, -1).indices.flatten().tolist()
+    balance = 5 * sum(chosen.count(e) / 22 * probs[:, e].mean() for e in range(5))
+    z = sum(math.log(sum(math.exp(v) for v in row)) ** 2 for row in logits.tolist()) / 11
+    assert layer.stats.balance_loss.item() == pytest.approx(float(balance), rel=1e-5)
+    assert layer.stats.z_loss.item() == pytest.approx(z, rel=1e-5)
+    assert layer.aux_loss.item() == pytest.approx(0.3 * float(balance) + 0.07 * z, rel=1e-5)
+    layer.aux_loss.backward()
+    assert layer.gate.weight_ED.grad.abs().sum() > 0
+
+
+def test_sigmoid_gate_bias_moves_load_toward_balance():
+    torch.manual_seed(5)
+    layer = MoELayer(model_dim=16, num_experts=8, hidden_size=8, top_k=2, gate="sigmoid",
+                     gate_kwargs={"bias_update_rate": 0.02})
+    with torch.no_grad():
+        layer.gate.weight_ED[:2] += 0.5  # skew: experts 0 and 1 win for typical inputs
+    x = torch.randn(256, 16).abs()
+
+    def imbalance():
+        layer.eval()
+        layer(x)
+        layer.train()
+        load = layer.stats.tokens_per_expert.float()
+        return (load.max() / load.mean()).item()
+
+    before = imbalance()
+    for _ in range(60):
+        layer(x)
+        update_router_biases(layer)
+    after = imbalance()
+    assert before > 2.5 and after < 1.5, (before, after)
+    assert layer.gate.expert_bias[:2].max() < 0 < layer.gate.expert_bias[2:].max()
+    assert "gate.expert_bias" in layer.state_dict() and not layer.gate.expert_bias.requires_grad
+
+
+def test_sigmoid_group_limited_routing_stays_in_groups():
+    torch.manual_seed(6)
+    gate = SigmoidGate(8, 16, n_group=4, topk_group=1)
+    out = gate(torch.randn(50, 8), 3)
+    groups = out.topk_idx_TK // 4
+    assert torch.all(groups == groups[:, :1])  # all three choices in one group
+
+
+def test_expert_params_are_marked_and_layers_found():
+    model = torch.nn.Sequential(MoELayer(8, 4, 8, num_shared_experts=1), torch.nn.Linear(8, 8))
+    marked = {name for name, p in model.named_parameters() if is_expert_param(p)}
+    assert marked == {"0.experts.w1", "0.experts.b1", "0.experts.w2", "0.experts.b2"}
+    assert len(moe_layers(model)) == 1
+
+
+@pytest.mark.parametrize(
+    "kwargs,call,match",
+    [
+        ({"top_k": 5}, None, r"top_k must be an integer in \[1, num_experts=4\]"),
+        ({"gate": "nope"}, None, r"gate must be one of \['cosine', 'sigmoid', 'top'\]"),
+        ({"activation": "tanhh"}, None, r"activation must be one of \['gelu', 'relu', 'silu'\]"),
+        ({"expert": "mlp"}, None, r"expert must be one of \['ffn', 'swiglu'\]"),
+        ({"model_dim": 8.5}, None, r"model_dim must be a positive integer"),
+        ({"hidden_size": 0}, None, r"hidden_size must be a positive integer"),
+        ({"impl": "cuda"}, None, r"impl must be one of \('kernel', 'torch'\)"),
+        ({"gate_kwargs": {"temperature": 1}}, None, r"gate_kwargs \['temperature'\] do not fit gate TopKGate"),
+        ({}, torch.randn(3, 7), r"x's last dimension must be model_dim=8"),
+        ({}, "top_k", r"top_k must be an integer in \[1, num_experts=4\], got 0"),
+    ],
+)
+def test_bad_input_names_the_argument(kwargs, call, match):
+    base = dict(model_dim=8, num_experts=4, hidden_size=8)
+    with pytest.raises(ValueError, match=match):
+        layer = MoELayer(**{**base, **kwargs})
+        if isinstance(call, torch.Tensor):
+            layer(call)
+        elif call == "top_k":
+            layer(torch.randn(3, 8), top_k=0)
