@@ -96,10 +96,10 @@ if triton is not None:
                                  mask=col_ok[:, None] & (blocks[None, :] < (K + GROUP - 1) // GROUP), other=0)
             scale = _decode_scale(scale_code.to(tl.int32), NVFP4)
             w = (w.reshape(BLOCK_N, BLOCK_K // GROUP, GROUP) * scale[:, :, None]).reshape(BLOCK_N, BLOCK_K)
-            acc = tl.dot(x, tl.trans(w.to(tl.bfloat16)), acc)
+            acc = tl.dot(x, tl.trans(w.to(x.dtype)), acc)
         if NVFP4:
             acc = acc * tl.load(tensor_scale_ptr + g)
-        tl.store(y_ptr + (start + rows)[:, None] * stride_yr + cols[None, :], acc.to(tl.bfloat16),
+        tl.store(y_ptr + (start + rows)[:, None] * stride_yr + cols[None, :], acc.to(y_ptr.dtype.element_ty),
                  mask=row_ok[:, None] & col_ok[None, :])
 
 
@@ -117,7 +117,7 @@ def grouped_fp4_matmul(x_RK: torch.Tensor, fmt: WeightFormat, q: dict[str, torch
     """y[rows of expert g] = x[rows of expert g] @ dequantize(w_g).T for every g, in place in y_RN.
 
     q holds the stacked tensors of the G experts: data [G, N, G_K/2] uint8, scale [G, N, B],
-    tensor_scale [G] (NVFP4). x_RK and y_RN are bf16, contiguous in their last dimension.
+    tensor_scale [G] (NVFP4). x_RK and y_RN are bf16 (or fp16), contiguous in their last dimension.
     """
     if not counts or max(counts) == 0:
         return
