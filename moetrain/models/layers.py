@@ -10,6 +10,8 @@ model, so the same block serves ViT-style classifiers and DeepSeek/Qwen-style la
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -91,6 +93,42 @@ def rotary_tables(
     angles_TR = torch.outer(torch.arange(max_positions, dtype=torch.float64, device=device), inv_freq_R)
     angles_THd = torch.cat([angles_TR, angles_TR], dim=-1)
     return angles_THd.cos().float(), angles_THd.sin().float()
+
+
+def yarn_scaling(rope_scaling: dict, rotary_dim: int, theta: float):
+    """YaRN context extension (DeepSeek-V3, Kimi-K2): returns (inverse-frequency map, factor on
+    cos/sin, factor on the softmax scale).
+
+    Frequencies that turn more than beta_fast times over the original context keep their value,
+    those turning fewer than beta_slow times are divided by `factor`, and a linear ramp blends the
+    two in between; "mscale" terms compensate the attention entropy (DeepSeek's convention).
+    """
+    factor = float(rope_scaling["factor"])
+    original_context = rope_scaling["original_max_position_embeddings"]
+    beta_fast, beta_slow = rope_scaling.get("beta_fast", 32), rope_scaling.get("beta_slow", 1)
+
+    def mscale(scale: float, coefficient: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * coefficient * math.log(scale) + 1.0
+
+    def dimension_turning(turns: float) -> float:
+        # The rotary pair index whose frequency makes `turns` full turns over the original context.
+        return rotary_dim * math.log(original_context / (turns * 2 * math.pi)) / (2 * math.log(theta))
+
+    low = max(math.floor(dimension_turning(beta_fast)), 0)
+    high = min(math.ceil(dimension_turning(beta_slow)), rotary_dim - 1)
+
+    def scale_inverse_frequency(inv_freq_R: torch.Tensor) -> torch.Tensor:
+        ramp_R = ((torch.arange(inv_freq_R.numel(), dtype=inv_freq_R.dtype, device=inv_freq_R.device) - low)
+                  / max(high - low, 1e-3)).clamp(0, 1)
+        return inv_freq_R / factor * ramp_R + inv_freq_R * (1 - ramp_R)
+
+    coefficient, coefficient_all = rope_scaling.get("mscale"), rope_scaling.get("mscale_all_dim")
+    if coefficient and coefficient_all:
+        table_factor = mscale(factor, coefficient) / mscale(factor, coefficient_all)
+    else:
+        table_factor = mscale(factor)
+    softmax_factor = mscale(factor, coefficient_all) ** 2 if coefficient_all else 1.0
+    return scale_inverse_frequency, table_factor, softmax_factor
 
 
 def apply_rotary(x_BNTHd: torch.Tensor, cos_THd: torch.Tensor, sin_THd: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,302 @@
+"""Load Hugging Face-format checkpoints (config.json + *.safetensors) into MoETransformerLM.
+
+    from moetrain.models import load_hf_checkpoint
+    model = load_hf_checkpoint("path/to/Qwen3-30B-A3B", dtype=torch.bfloat16, device="cuda")
+
+Supported model_type values: qwen3_moe, mixtral, deepseek_v3 and kimi_k2 (Kimi-K2 ships the
+DeepSeek-V3 architecture under its own name). Tensors keep their HF names on disk; here each of
+moetrain's parameters says which HF tensors it is made of (per-expert matrices are stacked into
+[E, D, H] / [E, H, D]). Any parameter without its tensors, or any tensor nothing uses, is an error
+that names them. Blockwise-FP8 weights (DeepSeek-V3 / Kimi-K2 releases: `weight` in float8 with a
+`weight_scale_inv` per 128x128 block) are dequantised on load. The multi-token-prediction layers
+of DeepSeek-V3 (model.layers.{num_hidden_layers}...) are not part of the model and are skipped.
+Routing is dropless (capacity_factor=0) unless overridden, so logits match the reference code.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from moetrain.models.lm import LMConfig, MoETransformerLM
+from moetrain.models.safetensors_format import SafetensorsFile
+from moetrain.moe import MoELayer, is_expert_param, moe_layers
+
+MODEL_TYPES = ("qwen3_moe", "mixtral", "deepseek_v3", "kimi_k2")
+
+
+class CheckpointError(ValueError):
+    """The checkpoint does not fit the architecture its config.json names."""
+
+
+def _require(config: dict, condition: bool, message: str) -> None:
+    if not condition:
+        raise CheckpointError(f"unsupported {config.get('model_type')} config: {message}")
+
+
+def _yarn_or_none(config: dict) -> dict | None:
+    scaling = config.get("rope_scaling")
+    if scaling is None:
+        return None
+    kind = scaling.get("type", scaling.get("rope_type"))
+    _require(config, kind == "yarn", f"rope_scaling type {kind!r} (supported: none, 'yarn')")
+    return dict(scaling, type="yarn")
+
+
+def config_from_hf(config: dict, max_seq_len: int = 4096) -> LMConfig:
+    """LMConfig for an HF config.json dict. max_seq_len caps the rotary tables (the HF value can be
+    128K+ positions; pass a larger one to run longer sequences)."""
+    model_type = config.get("model_type")
+    if model_type not in MODEL_TYPES:
+        raise CheckpointError(f"config.json model_type must be one of {MODEL_TYPES}, got {model_type!r}")
+    _require(config, config.get("hidden_act", "silu") == "silu", f"hidden_act {config.get('hidden_act')!r} (need 'silu')")
+    common = dict(
+        vocab_size=config["vocab_size"],
+        dim=config["hidden_size"],
+        depth=config["num_hidden_layers"],
+        num_heads=config["num_attention_heads"],
+        norm_eps=config.get("rms_norm_eps", 1e-6),
+        rope_theta=float(config.get("rope_theta", 10000.0)),
+        max_seq_len=min(max_seq_len, config.get("max_position_embeddings", max_seq_len)),
+        tie_embeddings=bool(config.get("tie_word_embeddings", False)),
+        expert="swiglu",
+        activation="silu",
+    )
+    if model_type == "qwen3_moe":
+        _require(config, not config.get("mlp_only_layers"), "mlp_only_layers must be empty")
+        _require(config, config.get("rope_scaling") is None, "rope_scaling must be null")
+        return LMConfig(
+            **common,
+            num_kv_heads=config["num_key_value_heads"],
+            head_dim=config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"],
+            qk_norm=True,
+            attention_bias=bool(config.get("attention_bias", False)),
+            num_experts=config["num_experts"],
+            expert_hidden_size=config["moe_intermediate_size"],
+            dense_hidden_size=config["intermediate_size"],
+            moe_every=config.get("decoder_sparse_step", 1),
+            moe_kwargs={"gate": "top", "top_k": config["num_experts_per_tok"], "capacity_factor": 0,
+                        "gate_kwargs": {"normalize": bool(config.get("norm_topk_prob", False))}},
+        )
+    if model_type == "mixtral":
+        _require(config, config.get("rope_scaling") is None, "rope_scaling must be null")
+        window = config.get("sliding_window")
+        _require(config, window is None or window >= common["max_seq_len"],
+                 f"sliding_window={window} shorter than max_seq_len (sliding-window attention is not implemented)")
+        return LMConfig(
+            **common,
+            num_kv_heads=config["num_key_value_heads"],
+            head_dim=config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"],
+            num_experts=config["num_local_experts"],
+            expert_hidden_size=config["intermediate_size"],
+            # Mixtral's softmax over the chosen logits equals a full softmax renormalised over the top-k.
+            moe_kwargs={"gate": "top", "top_k": config["num_experts_per_tok"], "capacity_factor": 0,
+                        "gate_kwargs": {"normalize": True}},
+        )
+    # deepseek_v3 / kimi_k2
+    _require(config, config.get("moe_layer_freq", 1) == 1, "moe_layer_freq must be 1")
+    _require(config, config.get("scoring_func", "sigmoid") == "sigmoid", "scoring_func must be 'sigmoid'")
+    _require(config, config.get("topk_method", "noaux_tc") == "noaux_tc", "topk_method must be 'noaux_tc'")
+    _require(config, not config.get("attention_bias", False), "attention_bias must be false")
+    return LMConfig(
+        **common,
+        attention="mla",
+        q_lora_rank=config.get("q_lora_rank"),
+        kv_lora_rank=config["kv_lora_rank"],
+        qk_nope_head_dim=config["qk_nope_head_dim"],
+        qk_rope_head_dim=config["qk_rope_head_dim"],
+        v_head_dim=config["v_head_dim"],
+        rope_scaling=_yarn_or_none(config),
+        num_experts=config["n_routed_experts"],
+        expert_hidden_size=config["moe_intermediate_size"],
+        dense_hidden_size=config["intermediate_size"],
+        num_shared_experts=config.get("n_shared_experts") or 0,
+        first_dense=config.get("first_k_dense_replace", 0),
+        moe_kwargs={"gate": "sigmoid", "top_k": config["num_experts_per_tok"], "capacity_factor": 0,
+                    "gate_kwargs": {"n_group": config.get("n_group", 1), "topk_group": config.get("topk_group", 1),
+                                    "routed_scaling_factor": float(config.get("routed_scaling_factor", 1.0)),
+                                    "normalize": bool(config.get("norm_topk_prob", True))}},
+    )
+
+
+# --- parameter name mapping -------------------------------------------------------------------
+# A source is (HF tensor names, function from those tensors to moetrain's parameter).
+
+
+def _same(name: str):
+    return [name], lambda tensors: tensors[0]
+
+
+def _stacked_transposed(names: list[str]):
+    # HF nn.Linear weights are [out, in] per expert; moetrain's experts hold [E, in, out].
+    return names, lambda tensors: torch.stack(tensors).transpose(1, 2)
+
+
+def _attention_sources(ours: str, hf: str, config: LMConfig) -> dict:
+    if config.attention == "mla":
+        pairs = {"kv_a_proj": "kv_a_proj_with_mqa", "kv_a_norm": "kv_a_layernorm", "kv_b_proj": "kv_b_proj", "o_proj": "o_proj"}
+        if config.q_lora_rank is None:
+            pairs["q_proj"] = "q_proj"
+        else:
+            pairs.update(q_a_proj="q_a_proj", q_a_norm="q_a_layernorm", q_b_proj="q_b_proj")
+    else:
+        pairs = {name: name for name in ("q_proj", "k_proj", "v_proj", "o_proj")}
+        if config.qk_norm:
+            pairs.update(q_norm="q_norm", k_norm="k_norm")
+    sources = {f"{ours}.{mine}.weight": _same(f"{hf}.{theirs}.weight") for mine, theirs in pairs.items()}
+    if config.attention_bias:
+        for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            sources[f"{ours}.{name}.bias"] = _same(f"{hf}.{name}.bias")
+    return sources
+
+
+def _moe_sources(ours: str, hf: str, layer: MoELayer, model_type: str) -> dict:
+    experts = range(layer.num_experts)
+    if model_type == "mixtral":
+        hf_moe, names = f"{hf}.block_sparse_moe", {"w_gate": "w1", "w_down": "w2", "w_up": "w3"}
+    else:
+        hf_moe, names = f"{hf}.mlp", {"w_gate": "gate_proj", "w_up": "up_proj", "w_down": "down_proj"}
+    sources = {f"{ours}.gate.weight_ED": _same(f"{hf_moe}.gate.weight")}
+    for mine, theirs in names.items():
+        sources[f"{ours}.experts.{mine}"] = _stacked_transposed([f"{hf_moe}.experts.{e}.{theirs}.weight" for e in experts])
+    if model_type in ("deepseek_v3", "kimi_k2"):
+        sources[f"{ours}.gate.expert_bias"] = _same(f"{hf_moe}.gate.e_score_correction_bias")
+    if layer.shared is not None:
+        for mine, theirs in (("gate", "gate_proj"), ("up", "up_proj"), ("down", "down_proj")):
+            sources[f"{ours}.shared.{mine}.weight"] = _same(f"{hf_moe}.shared_experts.{theirs}.weight")
+    return sources
+
+
+def hf_sources(model: MoETransformerLM, model_type: str) -> dict[str, tuple[list[str], Callable]]:
+    """moetrain parameter/buffer name -> (HF tensor names, combine function)."""
+    config = model.config
+    sources = {"embed.weight": _same("model.embed_tokens.weight"), "norm.weight": _same("model.norm.weight")}
+    if not config.tie_embeddings:
+        sources["lm_head.weight"] = _same("lm_head.weight")
+    for i, block in enumerate(model.blocks):
+        ours, hf = f"blocks.{i}", f"model.layers.{i}"
+        sources[f"{ours}.attn_norm.weight"] = _same(f"{hf}.input_layernorm.weight")
+        sources[f"{ours}.ffn_norm.weight"] = _same(f"{hf}.post_attention_layernorm.weight")
+        sources.update(_attention_sources(f"{ours}.attn", f"{hf}.self_attn", config))
+        if isinstance(block.ffn, MoELayer):
+            sources.update(_moe_sources(f"{ours}.ffn", hf, block.ffn, model_type))
+        else:
+            for name in ("gate_proj", "up_proj", "down_proj"):
+                sources[f"{ours}.ffn.{name}.weight"] = _same(f"{hf}.mlp.{name}.weight")
+    return sources
+
+
+# --- reading ----------------------------------------------------------------------------------
+
+
+def _open_checkpoint(directory: Path) -> dict[str, SafetensorsFile]:
+    files = sorted(directory.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"no *.safetensors files in {directory}")
+    where: dict[str, SafetensorsFile] = {}
+    for path in files:
+        opened = SafetensorsFile(path)
+        for name in opened.names():
+            if name in where:
+                raise CheckpointError(f"tensor {name!r} is in both {where[name].path.name} and {path.name}")
+            where[name] = opened
+    return where
+
+
+def _dequantize_block_fp8(weight: torch.Tensor, scale_inv: torch.Tensor, block: list[int]) -> torch.Tensor:
+    """weight (float8) * its 128x128-block scale -> float32 (DeepSeek-V3's weight_scale_inv)."""
+    rows, cols = weight.shape
+    scale = scale_inv.float().repeat_interleave(block[0], 0)[:rows].repeat_interleave(block[1], 1)[:, :cols]
+    return weight.float() * scale
+
+
+def load_hf_checkpoint(
+    directory: str | Path,
+    dtype: torch.dtype | None = None,
+    device: str | torch.device = "cpu",
+    max_seq_len: int = 4096,
+    **overrides,
+) -> MoETransformerLM:
+    """Build the model its config.json describes and load its safetensors weights.
+
+    dtype: default the config's torch_dtype (float32 when absent). overrides: LMConfig fields to
+    change after conversion, e.g. moe_kwargs={..., "impl": "torch"} or dropout.
+    """
+    directory = Path(directory)
+    config_path = directory / "config.json"
+    if not config_path.is_file():
+        raise CheckpointError(f"{directory} has no config.json")
+    hf_config = json.loads(config_path.read_text())
+    config = config_from_hf(hf_config, max_seq_len)
+    if overrides:
+        config = config.replace(**overrides)
+    if dtype is None:
+        dtype = getattr(torch, str(hf_config.get("torch_dtype") or hf_config.get("dtype") or "float32"))
+    model_type = hf_config["model_type"]
+
+    with torch.device("meta"):
+        model = MoETransformerLM(config)
+    sources = hf_sources(model, model_type)
+    tensors = _open_checkpoint(directory)
+
+    # DeepSeek-V3 ships its multi-token-prediction module as extra layers after the last one.
+    mtp_layer = re.compile(r"model\.layers\.(\d+)\.")
+    skipped = {n for n in tensors if (m := mtp_layer.match(n)) and int(m.group(1)) >= config.depth
+               and hf_config.get("num_nextn_predict_layers", 0) > 0}
+    scales = {n for n in tensors if n.endswith(".weight_scale_inv")}
+    wanted = {name for names, _ in sources.values() for name in names}
+    missing = sorted(n for n in wanted if n not in tensors)
+    unexpected = sorted(n for n in tensors if n not in wanted and n not in skipped and n not in scales)
+    if missing or unexpected:
+        parts = []
+        if missing:
+            parts.append(f"{len(missing)} missing tensor(s): {', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}")
+        if unexpected:
+            parts.append(f"{len(unexpected)} unexpected tensor(s): {', '.join(unexpected[:8])}{' ...' if len(unexpected) > 8 else ''}")
+        raise CheckpointError(f"checkpoint {directory} does not fit {model_type} ({config.depth} layers): " + "; ".join(parts))
+    block = (hf_config.get("quantization_config") or {}).get("weight_block_size", [128, 128])
+
+    def read(name: str) -> torch.Tensor:
+        tensor = tensors[name].get(name)
+        scale_name = name[: -len("weight")] + "weight_scale_inv"
+        if scale_name in tensors:
+            tensor = _dequantize_block_fp8(tensor, tensors[scale_name].get(scale_name), block)
+        return tensor
+
+    # Allocate on the target device only now, then copy each parameter in (keeping the Parameter
+    # objects, whose attributes mark the routed experts).
+    # Moving off the meta device makes new Parameter objects: remember which ones are routed experts.
+    expert_names = {name for name, param in model.named_parameters() if is_expert_param(param)}
+    model.to(dtype=dtype)
+    for layer in moe_layers(model):
+        layer.gate.float()  # routers stay float32, as in the reference code (the bias decides ties)
+    model.to_empty(device=device)
+    model.tie_weights()
+    for name, param in model.named_parameters():
+        if name in expert_names:
+            param.moe_expert = True
+    state = model.state_dict()
+    for ours, (names, combine) in sources.items():
+        value = combine([read(name) for name in names])
+        if value.shape != state[ours].shape:
+            raise CheckpointError(
+                f"tensor(s) {names[0]}{' ...' if len(names) > 1 else ''} give {ours} shape {tuple(value.shape)}, "
+                f"the config implies {tuple(state[ours].shape)}"
+            )
+        with torch.no_grad():
+            state[ours].copy_(value)
+    _reset_derived_buffers(model)
+    return model.eval()
+
+
+def _reset_derived_buffers(model: MoETransformerLM) -> None:
+    """Non-persistent buffers are not in checkpoints: counters start at zero, rotary tables are
+    recomputed from the config."""
+    for module in model.modules():
+        for name in module._non_persistent_buffers_set:
+            getattr(module, name).zero_()
+    model.reset_rotary()
