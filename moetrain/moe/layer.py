@@ -95,6 +95,8 @@ class MoELayer(nn.Module):
             )
         self.aux_loss: torch.Tensor | None = None
         self.stats: RoutingStats | None = None
+        # Set by moetrain.parallel.parallelize: runs the experts across ranks (None: all local).
+        self.parallel = None
 
     def _check_top_k(self, top_k) -> int:
         if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= self.num_experts:
@@ -111,7 +113,9 @@ class MoELayer(nn.Module):
         return (f"model_dim={self.model_dim}, num_experts={self.num_experts}, top_k={self.top_k}, "
                 f"capacity_factor={self.capacity_factor}, impl={self.impl!r}")
 
-    def forward(self, x: torch.Tensor, top_k: int | None = None, capacity_factor: float | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, top_k: int | None = None, capacity_factor: float | None = None,
+                adaptive_r: int | None = None, a2a_ffn_overlap_degree: int | None = None) -> torch.Tensor:
+        """adaptive_r and a2a_ffn_overlap_degree override the parallel strategy's for this call."""
         if x.size(-1) != self.model_dim:
             raise ValueError(f"x's last dimension must be model_dim={self.model_dim}, got shape {tuple(x.shape)}")
         top_k = self.top_k if top_k is None else self._check_top_k(top_k)
@@ -121,7 +125,7 @@ class MoELayer(nn.Module):
         routed = self.gate(x_TD, top_k)
         plan = make_plan(routed.topk_idx_TK, routed.topk_weight_TK, self.num_experts, cf, self.batch_prioritized, self.impl)
         buf_RD = ops.dispatch(x_TD, plan.dest_TK, plan.num_rows, impl=self.impl)
-        out_RD = self.run_experts(buf_RD, plan)
+        out_RD = self.run_experts(buf_RD, plan, adaptive_r, a2a_ffn_overlap_degree)
         y_TD = ops.combine(out_RD, plan.dest_TK, routed.topk_weight_TK, impl=self.impl)
         if self.shared is not None:
             y_TD = y_TD + self.shared(x_TD).to(y_TD.dtype)
@@ -138,6 +142,12 @@ class MoELayer(nn.Module):
         )
         return y_TD.view(x.shape[:-1] + (y_TD.size(-1),))
 
-    def run_experts(self, buf_RD: torch.Tensor, plan: RoutingPlan) -> torch.Tensor:
-        """The experts on the expert-major buffer; expert parallelism replaces this seam."""
+    def run_experts(self, buf_RD: torch.Tensor, plan: RoutingPlan, adaptive_r: int | None = None,
+                    a2a_ffn_overlap_degree: int | None = None) -> torch.Tensor:
+        """The experts on the expert-major buffer; expert parallelism plugs in here."""
+        if self.parallel is not None:
+            return self.parallel.run_experts(self.experts, buf_RD, plan, adaptive_r, a2a_ffn_overlap_degree)
+        if adaptive_r is not None or a2a_ffn_overlap_degree is not None:
+            raise ValueError("adaptive_r and a2a_ffn_overlap_degree need expert parallelism: call "
+                             "moetrain.parallel.parallelize(model) after initialising torch.distributed")
         return self.experts(buf_RD, plan.counts_E, plan.capacity)

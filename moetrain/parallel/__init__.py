@@ -1,0 +1,10 @@
+"""Distributed training: expert / adaptive parallelism, the MoE-aware optimizer, launch, resharding."""
+
+from moetrain.parallel.expert import ExpertParallel, parallelize, set_adaptive_r
+from moetrain.parallel.launch import choose_backend, free_port, init_distributed, init_from_torchrun, spawn
+from moetrain.parallel.layout import ExpertLayout
+
+__all__ = [
+    "ExpertLayout", "ExpertParallel", "choose_backend", "free_port", "init_distributed", "init_from_torchrun",
+    "parallelize", "set_adaptive_r", "spawn",
+]

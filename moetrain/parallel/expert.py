@@ -1,0 +1,233 @@
+"""Expert parallelism with Tutel's adaptive degree r, plugged into MoELayer.run_experts.
+
+    strategies = parallelize(model, adaptive_r=1)      # every rank, after init_distributed()
+    y = layer(x)                                       # r=1: tokens travel by all-to-all
+    y = layer(x, adaptive_r=0)                         # this call data parallel, same weights
+    y = layer(x, a2a_ffn_overlap_degree=4)             # all-to-all overlapped with experts in 4 chunks
+
+parallelize() keeps only this rank's experts (see layout.py for where they live) and attaches an
+ExpertParallel to each MoELayer. Between dispatch and combine, the expert-major buffer is
+exchanged so that each rank runs its own experts on every rank's rows for them:
+
+  padded layout (capacity_factor > 0): [E, C, D] blocks; one fixed-size all-to-all splits the
+      expert dim and concatenates the capacity dim, so local expert l sees [G*C, D] rows
+      (C is first made equal on all ranks: the largest capacity, rounded up to the overlap degree);
+  packed layout (dropless): the per-expert row counts are exchanged first, then rows move by an
+      uneven all-to-all and are regrouped expert-major.
+
+With a2a_ffn_overlap_degree = n > 1 (padded layout) the capacity dim is cut into n chunks: all
+chunks' all-to-alls are issued at once as asynchronous collectives and each chunk's experts start
+as soon as its rows arrive, so on GPUs communication overlaps expert compute.
+
+Shape letters: E experts, V virtual experts (E*r), C capacity, D model dim, G ranks of the
+expert-parallel group, R buffer rows.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as functional_collectives
+from torch import nn
+from torch.func import functional_call
+
+from moetrain import net
+from moetrain.moe.experts import Experts, FFNExperts, SwiGLUExperts, mark_expert
+from moetrain.moe.routing import RoutingPlan
+from moetrain.parallel.layout import ExpertLayout
+
+# Which axis of each expert parameter is the hidden dimension (r > 1 splits it). None: a parameter
+# without one (the output bias), added by slice 0 only so the summed slices add it once.
+HIDDEN_AXES: dict[type[Experts], dict[str, int | None]] = {
+    FFNExperts: {"w1": 2, "b1": 1, "w2": 1, "b2": None},
+    SwiGLUExperts: {"w_gate": 2, "w_up": 2, "w_down": 1},
+}
+
+
+def _check_overlap(degree) -> int:
+    if isinstance(degree, bool) or not isinstance(degree, int) or degree < 1:
+        raise ValueError(f"a2a_ffn_overlap_degree must be an integer >= 1, got {degree!r}")
+    return degree
+
+
+class ExpertParallel:
+    """Runs one layer's experts across ranks; holds the default degree and overlap of that layer."""
+
+    def __init__(self, layout: ExpertLayout, adaptive_r: int = 1, a2a_ffn_overlap_degree: int = 1):
+        self.layout = layout
+        self.adaptive_r = layout.check_r(adaptive_r)
+        self.a2a_ffn_overlap_degree = _check_overlap(a2a_ffn_overlap_degree)
+
+    def run_experts(self, experts: Experts, buf_RD: torch.Tensor, plan: RoutingPlan, adaptive_r: int | None = None,
+                    a2a_ffn_overlap_degree: int | None = None) -> torch.Tensor:
+        r = self.adaptive_r if adaptive_r is None else self.layout.check_r(adaptive_r)
+        overlap = self.a2a_ffn_overlap_degree if a2a_ffn_overlap_degree is None else _check_overlap(a2a_ffn_overlap_degree)
+        if r == 0:
+            return functional_call(experts, self._all_experts(experts), (buf_RD, plan.counts_E, plan.capacity))
+        params = dict(experts.named_parameters()) if r == 1 else self._hidden_slices(experts, r)
+        if plan.capacity is not None:
+            return self._padded(experts, params, buf_RD, plan.capacity, r, overlap)
+        if overlap > 1:
+            raise ValueError("a2a_ffn_overlap_degree > 1 needs the padded layout (capacity_factor > 0); "
+                             f"got a dropless plan (capacity_factor <= 0) with degree {overlap}")
+        return self._packed(experts, params, buf_RD, plan.counts_E, r)
+
+    # ------------------------------------------------------------------ weights for each degree
+
+    def _all_experts(self, experts: Experts) -> dict[str, torch.Tensor]:
+        """r = 0: every expert on every rank, gathered (the backward reduce-scatters the gradients)."""
+        layout = self.layout
+        gathered = {}
+        for name, param in experts.named_parameters():
+            full = net.all_gather(param, 0, layout.group)
+            gathered[name] = full[::layout.replicas] if layout.replicas > 1 else full
+        return gathered
+
+    def _hidden_slices(self, experts: Experts, r: int) -> dict[str, torch.Tensor]:
+        """r > 1: this rank's hidden slice of its (single, replicated) expert."""
+        axes = next((axes for cls, axes in HIDDEN_AXES.items() if type(experts) is cls), None)
+        names = {name for name, _ in experts.named_parameters()}
+        if axes is None or set(axes) != names:
+            raise ValueError(f"adaptive_r > 1 splits the experts' hidden dimension, which moetrain knows for "
+                             f"{[cls.__name__ for cls in HIDDEN_AXES]} only; got {type(experts).__name__}")
+        if experts.hidden_size % r:
+            raise ValueError(f"adaptive_r={r} must divide the experts' hidden_size={experts.hidden_size}")
+        j = self.layout.shard_index(r)
+        piece = experts.hidden_size // r
+        sliced = {}
+        for name, param in experts.named_parameters():
+            axis = axes[name]
+            if axis is None:
+                sliced[name] = param if j == 0 else param * 0
+            else:
+                sliced[name] = param.narrow(axis, j * piece, piece)
+        return sliced
+
+    # ------------------------------------------------------------------ token exchange
+
+    def _padded(self, experts, params, buf_RD, capacity, r, overlap):
+        layout = self.layout
+        group = layout.expert_group(r)
+        members = dist.get_world_size(group)
+        num_experts, dim = layout.num_experts, buf_RD.size(-1)
+        # Every rank must send blocks of the same size: use the largest capacity in the group.
+        common = int(net.simple_all_reduce(torch.tensor([capacity], device=buf_RD.device), "max", group)[0])
+        common = -(-common // overlap) * overlap
+        x_ECD = buf_RD.view(num_experts, capacity, dim)
+        if common > capacity:
+            x_ECD = nn.functional.pad(x_ECD, (0, 0, 0, common - capacity))
+        x_VCD = x_ECD if r == 1 else x_ECD.unsqueeze(1).expand(num_experts, r, common, dim).reshape(-1, common, dim)
+        local = x_VCD.size(0) // members
+
+        def compute(x_LRD):  # [local virtual experts, G*chunk, D]
+            rows = x_LRD.size(1)
+            counts = torch.full((local,), rows, dtype=torch.long, device=x_LRD.device)
+            y_RD = functional_call(experts, params, (x_LRD.reshape(-1, dim), counts, rows))
+            return y_RD.view(local, rows, -1)
+
+        if overlap == 1:
+            y_VCD = net.all_to_all(compute(net.all_to_all(x_VCD, 0, 1, group)), 1, 0, group)
+        else:
+            y_VCD = self._overlapped(x_VCD, compute, overlap, group)
+        if r > 1:
+            y_VCD = y_VCD.view(num_experts, r, common, -1).sum(1)
+        return y_VCD[:, :capacity].reshape(num_experts * capacity, -1)
+
+    @staticmethod
+    def _overlapped(x_VCD, compute, overlap, group):
+        group = group or dist.group.WORLD
+        members = dist.get_world_size(group)
+
+        def send(x, split_dim):  # pieces for rank g first, as one asynchronous all-to-all
+            piece = x.size(split_dim) // members
+            ready = x.unflatten(split_dim, (members, piece)).movedim(split_dim, 0).contiguous()
+            return functional_collectives.all_to_all_single_autograd(ready, None, None, group)
+
+        # Issue every chunk's dispatch first; reading a chunk waits only for that chunk's exchange.
+        arriving = [send(chunk, 0) for chunk in x_VCD.chunk(overlap, dim=1)]
+        leaving = [send(compute(recv.movedim(0, 1).flatten(1, 2)), 1) for recv in arriving]
+        return torch.cat([recv.flatten(0, 1) for recv in leaving], dim=1)
+
+    def _packed(self, experts, params, buf_RD, counts_E, r):
+        layout = self.layout
+        group = layout.expert_group(r)
+        members = dist.get_world_size(group)
+        rows_E = counts_E.tolist()
+        used = sum(rows_E)
+        if r > 1:
+            # Each expert's rows once per hidden slice: virtual expert e*r + j gets expert e's rows.
+            starts = [sum(rows_E[:e]) for e in range(len(rows_E))]
+            index = torch.cat([torch.arange(starts[e], starts[e] + n, device=buf_RD.device)
+                               for e, n in enumerate(rows_E) for _ in range(r)])
+            x_RD = buf_RD.index_select(0, index)
+            counts_V = counts_E.repeat_interleave(r)
+        else:
+            x_RD, counts_V = buf_RD[:used], counts_E
+        local = counts_V.numel() // members
+        send_counts_GL = counts_V.view(members, local)
+        recv_counts_GL = net.all_to_all_single(send_counts_GL, group=group)
+        send_rows = send_counts_GL.sum(1).tolist()
+        recv_rows = recv_counts_GL.sum(1).tolist()
+        recv_RD = net.all_to_all_single(x_RD, recv_rows, send_rows, group=group)
+
+        # Received blocks are source-major (g, l); the experts want them expert-major (l, g).
+        sizes = recv_counts_GL.flatten().tolist()
+        offsets = [sum(sizes[:i]) for i in range(len(sizes))]
+        order = [(g * local + l) for l in range(local) for g in range(members)]
+        perm = torch.cat([torch.arange(offsets[b], offsets[b] + sizes[b], device=buf_RD.device) for b in order]
+                         + [torch.empty(0, dtype=torch.long, device=buf_RD.device)])
+        y_RD = functional_call(experts, params, (recv_RD.index_select(0, perm), recv_counts_GL.sum(0), None))
+        back_RD = torch.empty_like(perm).index_copy_(0, perm, torch.arange(perm.numel(), device=perm.device))
+        y_RD = net.all_to_all_single(y_RD.index_select(0, back_RD), send_rows, recv_rows, group=group)
+
+        if r > 1:
+            y_RD = y_RD.new_zeros(used, y_RD.size(-1)).index_add(0, index, y_RD)
+        pad = buf_RD.size(0) - used
+        return torch.cat([y_RD, y_RD.new_zeros(pad, y_RD.size(-1))]) if pad else y_RD
+
+
+# ---------------------------------------------------------------------- attaching to a model
+
+
+@torch.no_grad()
+def _keep_local_experts(experts: Experts, layout: ExpertLayout) -> None:
+    """Replace each [E, ...] expert parameter by this rank's rows (rank 0's values on every rank)."""
+    for module in experts.modules():
+        for name, param in list(module.named_parameters(recurse=False)):
+            if param.dim() == 0 or param.size(0) != layout.num_experts:
+                raise ValueError(f"expert parameter {name!r} has shape {tuple(param.shape)}; expert parallelism "
+                                 f"needs every expert parameter stacked as [num_experts={layout.num_experts}, ...]")
+            full = param.detach().clone()
+            dist.broadcast(full, layout.ranks[0], group=layout.group)
+            local = nn.Parameter(full[layout.local_slice()].clone(), requires_grad=param.requires_grad)
+            setattr(module, name, mark_expert(local))
+
+
+def parallelize(model: nn.Module, adaptive_r: int = 1, a2a_ffn_overlap_degree: int = 1, group=None) -> list[ExpertParallel]:
+    """Shard the experts of every MoELayer in `model` over the ranks of `group` (in place; call on
+    every rank with the same full model before building the optimizer). Returns the strategies."""
+    from moetrain.moe import moe_layers
+
+    layouts: dict[int, ExpertLayout] = {}
+    strategies = []
+    for layer in moe_layers(model):
+        if layer.parallel is not None:
+            raise ValueError("this model is already parallelized")
+        if layer.num_experts not in layouts:
+            layouts[layer.num_experts] = ExpertLayout(layer.num_experts, group)
+        layout = layouts[layer.num_experts]
+        _keep_local_experts(layer.experts, layout)
+        layer.parallel = ExpertParallel(layout, adaptive_r, a2a_ffn_overlap_degree)
+        strategies.append(layer.parallel)
+    if not strategies:
+        raise ValueError("parallelize: the model has no MoELayer")
+    return strategies
+
+
+def set_adaptive_r(model: nn.Module, adaptive_r: int) -> None:
+    """Change the default degree of every parallelized MoELayer (weights stay where they are)."""
+    from moetrain.moe import moe_layers
+
+    for layer in moe_layers(model):
+        if layer.parallel is not None:
+            layer.parallel.adaptive_r = layer.parallel.layout.check_r(adaptive_r)
