@@ -1,0 +1,143 @@
+"""Every script in examples/ runs in a fresh interpreter with small sizes, and what its main()
+returns is checked against the behaviour the example claims to show, so the examples cannot rot.
+
+All examples run in ONE subprocess (interpreter and torch start-up would otherwise dominate);
+each example's failure is recorded there with its traceback and reported by its own test.
+"""
+
+import json
+import math
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+
+# Small sizes for each example's main(); the checks below rely on these.
+SMALL = {
+    "01_hello_moe.py": {"batch": 2, "seq": 64, "model_dim": 32, "num_experts": 4, "hidden_size": 48},
+    "02_per_call_settings.py": {"tokens": 256},
+    "03_custom_gate.py": {"tokens": 24},
+    "04_custom_expert.py": {"tokens": 24},
+    "05_train_own_module.py": {"steps": 40},
+    "06_sigmoid_bias_balance.py": {"steps": 100},
+    "07_shared_experts.py": {"tokens": 24},
+}
+
+RUNNER = textwrap.dedent(
+    """
+    import json, runpy, sys, time, traceback
+    examples, out_path = json.loads(sys.argv[1]), sys.argv[2]
+    results = {}
+    for path, kwargs in examples.items():
+        start = time.perf_counter()
+        try:
+            results[path] = {"result": runpy.run_path(path, run_name="example")["main"](**kwargs)}
+        except BaseException:
+            results[path] = {"error": traceback.format_exc()}
+        results[path]["seconds"] = time.perf_counter() - start
+        with open(out_path, "w") as out:  # after each example, so a hang still leaves the others
+            json.dump(results, out)
+    """
+)
+
+
+@pytest.fixture(scope="module")
+def outcomes(tmp_path_factory):
+    out_path = tmp_path_factory.mktemp("examples") / "results.json"
+    examples = {str(EXAMPLES / name): kwargs for name, kwargs in SMALL.items()}
+    # One thread per process: the examples are tiny, and on a busy 2-core machine more threads
+    # only contend (the multi-process examples start several interpreters at once).
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, "-c", RUNNER, json.dumps(examples), str(out_path)],
+                          cwd=EXAMPLES.parent, env=env, capture_output=True, text=True, timeout=600)
+    results = json.loads(out_path.read_text()) if out_path.exists() else {}
+    return {Path(path).name: outcome for path, outcome in results.items()}, proc
+
+
+def result_of(outcomes, name):
+    results, proc = outcomes
+    if name not in results:
+        pytest.fail(f"{name} did not run (runner exit {proc.returncode}):\n{proc.stderr[-4000:]}")
+    if "error" in results[name]:
+        pytest.fail(f"{name} failed:\n{results[name]['error']}")
+    return results[name]["result"]
+
+
+def test_every_example_is_checked():
+    on_disk = sorted(path.name for path in EXAMPLES.glob("*.py"))
+    assert on_disk == sorted(SMALL), "add the new example to SMALL and give it a check"
+
+
+def test_hello_moe(outcomes):
+    r = result_of(outcomes, "01_hello_moe.py")
+    assert r["output_shape"] == r["input_shape"]
+    assert r["routed_choices"] == r["tokens"] * 2  # top_k=2: two choices per token
+    assert 0 <= r["dropped_fraction"] < 1
+    assert r["max_diff_vs_torch_path"] < 1e-5
+    assert r["grads_finite"]
+
+
+def test_per_call_settings(outcomes):
+    r = result_of(outcomes, "02_per_call_settings.py")
+    rows = {(row["top_k"], row["capacity_factor"]): row for row in r["rows"]}
+    assert len(rows) == 15
+    for (top_k, cf), row in rows.items():
+        assert row["routed_choices"] == r["tokens"] * top_k
+        if cf > 0:  # padded: the capacity is the limit, and no expert keeps more
+            assert row["capacity"] == row["expected_limit"] == top_k * math.ceil(cf * r["tokens"] / 8)
+        if cf == 0:
+            assert row["dropped_fraction"] == 0
+            assert row["capacity"] == row["max_load"]
+    for top_k in (1, 2, 4):
+        dropped = [rows[(top_k, cf)]["dropped_fraction"] for cf in (0.5, 1.0, 2.0)]
+        assert dropped[0] > 0 and dropped == sorted(dropped, reverse=True)
+        # A negative factor caps at the same limit as the positive one, so it drops the same choices.
+        assert rows[(top_k, -1.0)]["dropped_fraction"] == pytest.approx(rows[(top_k, 1.0)]["dropped_fraction"])
+    assert r["default_capacity"] == r["default_expected_capacity"]
+
+
+def test_custom_gate(outcomes):
+    r = result_of(outcomes, "03_custom_gate.py")
+    for label, temperature in (("class", 2.0), ("instance", 0.5), ("name", 1.0)):
+        assert r[label]["gate_type"] == "TemperatureGate"
+        assert r[label]["temperature"] == temperature
+        assert r[label]["max_diff"] < 1e-5
+    assert r["router_grad_abs_sum"] > 0
+
+
+def test_custom_expert(outcomes):
+    r = result_of(outcomes, "04_custom_expert.py")
+    for layout in ("padded", "packed"):
+        assert r[layout]["dropped_fraction"] == 0
+        assert r[layout]["max_diff"] < 1e-5
+    assert r["expert_params_tagged"] and r["gate_params_untagged"]
+    assert r["scale_grad_nonzero"]
+
+
+def test_train_own_module_loss_falls(outcomes):
+    r = result_of(outcomes, "05_train_own_module.py")
+    assert r["last_eval_loss"] < 0.25 * r["first_eval_loss"]
+    assert r["last_train_loss"] < 0.25 * r["first_train_loss"]
+
+
+def test_sigmoid_bias_balances_load(outcomes):
+    r = result_of(outcomes, "06_sigmoid_bias_balance.py")
+    without, with_bias = r["rate_0.0"], r["rate_0.01"]
+    assert without["bias_abs_max"] == 0
+    assert with_bias["first_imbalance"] == pytest.approx(without["first_imbalance"])  # same start
+    assert with_bias["first_imbalance"] > 2
+    assert with_bias["last_imbalance"] < 0.6 * without["last_imbalance"]
+    assert r["bias_in_state_dict"] and not r["bias_is_parameter"]
+
+
+def test_shared_experts(outcomes):
+    r = result_of(outcomes, "07_shared_experts.py")
+    assert r["max_diff"] < 1e-5
+    assert r["groups_per_token"] <= 2
+    assert r["shared_width"] == r["expected_shared_width"]
+    assert r["shared_params_untagged"]
