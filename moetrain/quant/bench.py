@@ -1,0 +1,158 @@
+"""Quantized MoE inference benchmark: one MoE layer per format, decode- and prefill-style batches.
+
+    python -m moetrain.quant.bench                       # GPU: mixtral and fine-grained shapes
+    python -m moetrain.quant.bench --shapes small --device cpu --iters 2    # a quick CPU smoke run
+    python -m moetrain.quant.bench --json results.json
+
+For every format (bf16 = the float MoELayer in bf16, the baseline) it prints the expert-weight
+memory, the forward time of the whole layer and of the experts alone (median of --iters calls
+after warm-up, timed with CUDA events; no grad), and the output's relative error against bf16.
+Dispatch and combine use the pure-torch path so that no compiled extension is needed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+from moetrain import MoELayer, ops
+from moetrain.moe.routing import make_plan
+from moetrain.quant.experts import QuantizedExperts
+from moetrain.quant.export import expert_memory
+from moetrain.quant.formats import get_format
+from moetrain.quant.matmul import fast_path
+
+# name: (model_dim, hidden_size, num_experts, top_k)
+SHAPES = {
+    "mixtral": (4096, 14336, 8, 2),
+    "fine_grained": (2048, 1536, 64, 6),  # DeepSeekMoE-like; H a multiple of 512 for fp8_block
+    "small": (256, 512, 8, 2),
+}
+FORMAT_NAMES = ("bf16", "fp8", "fp8_block", "mxfp4", "nvfp4")
+
+
+def median_ms(fn, iters: int, device: torch.device) -> float:
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(iters):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            begin = time.perf_counter()
+            fn()
+            times.append(1e3 * (time.perf_counter() - begin))
+    return statistics.median(times)
+
+
+def paths(layer: MoELayer, device: torch.device) -> str:
+    """The path each weight of the layer's format takes (kernel or emulated), e.g. "kernel"."""
+    if not isinstance(layer.experts, QuantizedExperts) or device.type != "cuda":
+        return "torch" if device.type == "cuda" else "emulated"
+    found = {fast_path(stack.format, stack.n, stack.k) for weight in layer.experts.weights.values()
+             for stack in weight.stacks.values()}
+    return "+".join(sorted(found))
+
+
+@torch.no_grad()
+def bench_shape(name: str, args, device: torch.device) -> list[dict]:
+    model_dim, hidden, experts, top_k = SHAPES[name]
+    torch.manual_seed(0)
+    base = MoELayer(model_dim, experts, hidden, top_k=top_k, expert=args.expert, capacity_factor=0.0, impl="torch")
+    base = base.to(device=device, dtype=torch.bfloat16).eval()
+    inputs = {phase: torch.randn(tokens, model_dim, device=device, dtype=torch.bfloat16)
+              for phase, tokens in (("decode", args.decode_tokens), ("prefill", args.prefill_tokens))}
+    # The same routing for every format: the experts-only timing runs on this fixed buffer.
+    buffers = {}
+    for phase, x in inputs.items():
+        routed = base.gate(x, top_k)
+        plan = make_plan(routed.topk_idx_TK, routed.topk_weight_TK, experts, 0.0, False, "torch")
+        buffers[phase] = (ops.dispatch(x, plan.dest_TK, plan.num_rows, impl="torch"), plan)
+    reference = {phase: base(x).float() for phase, x in inputs.items()}
+
+    rows = []
+    float_experts = base.experts
+    for fmt in args.formats:
+        # Same layer and gate for every format; only the experts are swapped.
+        try:
+            rows.append(bench_format(name, base, float_experts, fmt, inputs, buffers, reference, args, device))
+        except Exception as error:  # one format failing (an old torch, no Triton) must not hide the others
+            rows.append({"shape": name, "format": fmt, "error": f"{type(error).__name__}: {error}"[:400]})
+        base.experts = float_experts
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return rows
+
+
+def bench_format(name: str, layer: MoELayer, float_experts, fmt: str, inputs, buffers, reference, args, device) -> dict:
+    if fmt != "bf16":
+        layer.experts = QuantizedExperts.from_experts(float_experts, [get_format(fmt).name] * layer.num_experts)
+    memory = expert_memory(layer)
+    row = {"shape": name, "format": fmt, "path": paths(layer, device),
+           "expert_weight_bytes": sum(m.bytes for m in memory.values()),
+           "bits_per_weight": 8 * sum(m.bytes for m in memory.values()) / sum(m.elements for m in memory.values())}
+    for phase, x in inputs.items():
+        buf, plan = buffers[phase]
+        row[f"{phase}_tokens"] = x.size(0)
+        row[f"{phase}_layer_ms"] = median_ms(lambda: layer(x), args.iters, device)
+        row[f"{phase}_experts_ms"] = median_ms(lambda: layer.experts(buf, plan.counts_E, None), args.iters, device)
+        out = layer(x).float()
+        row[f"{phase}_rel_error"] = ((out - reference[phase]).norm() / reference[phase].norm()).item()
+    return row
+
+
+def print_table(rows: list[dict]) -> None:
+    header = (f"{'shape':<13}{'format':<10}{'path':<16}{'GiB':>7}{'bits/w':>7} | {'decode layer':>12}{'experts':>9}"
+              f"{'x bf16':>7} | {'prefill layer':>13}{'experts':>9}{'x bf16':>7} | {'err dec':>8}{'err pre':>8}")
+    print(header)
+    print("-" * len(header))
+    baseline = {row["shape"]: row for row in rows if row["format"] == "bf16"}
+    for row in rows:
+        if "error" in row:
+            print(f"{row['shape']:<13}{row['format']:<10}FAILED: {row['error']}")
+            continue
+        base = baseline.get(row["shape"], row)
+        print(f"{row['shape']:<13}{row['format']:<10}{row['path']:<16}{row['expert_weight_bytes'] / 2**30:>7.3f}"
+              f"{row['bits_per_weight']:>7.2f} | {row['decode_layer_ms']:>12.3f}{row['decode_experts_ms']:>9.3f}"
+              f"{base['decode_experts_ms'] / row['decode_experts_ms']:>7.2f} | {row['prefill_layer_ms']:>13.3f}"
+              f"{row['prefill_experts_ms']:>9.3f}{base['prefill_experts_ms'] / row['prefill_experts_ms']:>7.2f} | "
+              f"{row['decode_rel_error']:>8.4f}{row['prefill_rel_error']:>8.4f}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shapes", nargs="+", default=["mixtral", "fine_grained"], choices=sorted(SHAPES))
+    parser.add_argument("--formats", nargs="+", default=list(FORMAT_NAMES), choices=FORMAT_NAMES)
+    parser.add_argument("--expert", default="swiglu", choices=["ffn", "swiglu"])
+    parser.add_argument("--decode-tokens", type=int, default=16)
+    parser.add_argument("--prefill-tokens", type=int, default=8192)
+    parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--json", help="also write the rows to this file")
+    args = parser.parse_args(argv)
+    if "bf16" not in args.formats:
+        args.formats = ["bf16"] + args.formats  # the baseline of every ratio
+    device = torch.device(args.device)
+    card = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    print(f"moetrain.quant.bench: torch {torch.__version__}, {card}, expert={args.expert}, "
+          f"decode {args.decode_tokens} / prefill {args.prefill_tokens} tokens, median of {args.iters}; times in ms")
+    rows = []
+    for name in args.shapes:
+        rows += bench_shape(name, args, device)
+    print_table(rows)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"torch": torch.__version__, "device": card, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
