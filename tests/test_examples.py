@@ -26,20 +26,24 @@ SMALL = {
     "05_train_own_module.py": {"steps": 40},
     "06_sigmoid_bias_balance.py": {"steps": 100},
     "07_shared_experts.py": {"tokens": 24},
+    "08_expert_parallel.py": {"tokens": 32},
 }
 
 RUNNER = textwrap.dedent(
     """
-    import json, runpy, sys, time, traceback
-    examples, out_path = json.loads(sys.argv[1]), sys.argv[2]
+    import importlib, json, sys, time, traceback
+    folder, examples, out_path = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3]
+    # Imported as modules of the examples folder, so that worker functions of the multi-process
+    # examples can be pickled by name for the spawned processes.
+    sys.path.insert(0, folder)
     results = {}
-    for path, kwargs in examples.items():
+    for name, kwargs in examples.items():
         start = time.perf_counter()
         try:
-            results[path] = {"result": runpy.run_path(path, run_name="example")["main"](**kwargs)}
+            results[name] = {"result": importlib.import_module(name[: -len(".py")]).main(**kwargs)}
         except BaseException:
-            results[path] = {"error": traceback.format_exc()}
-        results[path]["seconds"] = time.perf_counter() - start
+            results[name] = {"error": traceback.format_exc()}
+        results[name]["seconds"] = time.perf_counter() - start
         with open(out_path, "w") as out:  # after each example, so a hang still leaves the others
             json.dump(results, out)
     """
@@ -49,14 +53,12 @@ RUNNER = textwrap.dedent(
 @pytest.fixture(scope="module")
 def outcomes(tmp_path_factory):
     out_path = tmp_path_factory.mktemp("examples") / "results.json"
-    examples = {str(EXAMPLES / name): kwargs for name, kwargs in SMALL.items()}
     # One thread per process: the examples are tiny, and on a busy 2-core machine more threads
     # only contend (the multi-process examples start several interpreters at once).
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, "-c", RUNNER, json.dumps(examples), str(out_path)],
+    proc = subprocess.run([sys.executable, "-c", RUNNER, str(EXAMPLES), json.dumps(SMALL), str(out_path)],
                           cwd=EXAMPLES.parent, env=env, capture_output=True, text=True, timeout=600)
-    results = json.loads(out_path.read_text()) if out_path.exists() else {}
-    return {Path(path).name: outcome for path, outcome in results.items()}, proc
+    return (json.loads(out_path.read_text()) if out_path.exists() else {}), proc
 
 
 def result_of(outcomes, name):
@@ -141,3 +143,14 @@ def test_shared_experts(outcomes):
     assert r["groups_per_token"] <= 2
     assert r["shared_width"] == r["expected_shared_width"]
     assert r["shared_params_untagged"]
+
+
+def test_expert_parallel_matches_unsharded_layer(outcomes):
+    r = result_of(outcomes, "08_expert_parallel.py")
+    assert len(r["ranks"]) == 2
+    for report in r["ranks"]:
+        assert report["local_experts"] == 2  # 4 experts over 2 processes
+        checks = [key for key in report if key != "local_experts"]
+        assert len(checks) == 5
+        for key in checks:
+            assert report[key] < 1e-5, key
