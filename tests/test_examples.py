@@ -27,6 +27,7 @@ SMALL = {
     "06_sigmoid_bias_balance.py": {"steps": 100},
     "07_shared_experts.py": {"tokens": 24},
     "08_expert_parallel.py": {"tokens": 32},
+    "09_quantized_inference.py": {"tokens": 128, "model_dim": 64, "hidden_size": 64},
 }
 
 RUNNER = textwrap.dedent(
@@ -154,3 +155,18 @@ def test_expert_parallel_matches_unsharded_layer(outcomes):
         assert len(checks) == 5
         for key in checks:
             assert report[key] < 1e-5, key
+
+
+def test_quantized_inference(outcomes):
+    r = result_of(outcomes, "09_quantized_inference.py")
+    fp8, fp4, mixed = r["fp8"], r["mxfp4"], r["mxfp4 + fp8 hot"]
+    assert 0 < fp8["relative_error"] < 0.1 and 0 < fp4["relative_error"] < 0.3
+    assert fp8["relative_error"] < mixed["relative_error"] < fp4["relative_error"]
+    # FP8: one byte per weight + an fp32 scale per output channel; MXFP4: 4 bits + one byte of
+    # E8M0 scale per 32 weights.
+    assert 0.5 < fp8["bytes_vs_bf16"] < 0.55
+    assert fp4["bytes_vs_bf16"] == pytest.approx(4.25 / 16, abs=0.01)
+    assert fp4["bytes_vs_bf16"] < mixed["bytes_vs_bf16"] < fp8["bytes_vs_bf16"]
+    assert mixed["plan"][0].count("fp8") == 2  # a quarter of 8 experts
+    assert sorted(r["hot_experts"]) == sorted(r["busiest_experts"])
+    assert r["reload_max_diff"] == 0
