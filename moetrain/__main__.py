@@ -1,0 +1,5 @@
+"""`python -m moetrain` runs the `moetrain` command."""
+
+from moetrain.cli import main
+
+main()

@@ -1,0 +1,261 @@
+"""The `moetrain` command (also `python -m moetrain`): compose the config with Hydra, check it, train.
+
+    moetrain +recipe=quickstart
+    moetrain +recipe=switch_cifar10 trainer.max_steps=2000 gate.top_k=2 optim.lr=3e-4
+    moetrain -m +recipe=quickstart gate=switch,gshard
+
+This is the only module that knows Hydra. The configs ship as the package moetrain.conf (groups
+model, gate, parallel, data, optim, trainer, logger) and recipes as moetrain.recipes, registered
+here in the ConfigStore group `recipe` (package _global_) so that `+recipe=NAME` finds them.
+
+Every configuration mistake ends the same way: exit code 2 and one line on stderr that names the
+key and the fix, never a traceback. Hydra reports its own composition errors in several lines
+with exit code 1, so `main` first composes the command line itself (each combination of a sweep)
+and turns any failure into that one line; only a config that composes and validates reaches
+Hydra's entry point, which makes the run directory and calls `train`.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import sys
+import types
+import typing
+from importlib import resources
+from pathlib import Path
+
+import hydra
+from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+from hydra._internal.utils import get_args_parser
+from hydra.core.config_store import ConfigStore
+from hydra.core.hydra_config import HydraConfig
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.errors import HydraException, InstantiationException, MissingConfigException
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException, ValidationError
+
+from moetrain.config import Config, ConfigError, did_you_mean, moe_kwargs, validate
+from moetrain.train import NonFiniteLoss, Trainer, seed_everything
+
+log = logging.getLogger(__name__)
+
+CONFIG_MODULE = "moetrain.conf"
+CONFIG_NAME = "config"
+GROUPS = ("model", "gate", "parallel", "data", "optim", "trainer", "logger")
+EXIT_CONFIG_ERROR = 2
+EXIT_TRAINING_FAILED = 1
+
+
+def recipe_names() -> list[str]:
+    folder = resources.files("moetrain.recipes")
+    return sorted(entry.name[: -len(".yaml")] for entry in folder.iterdir() if entry.name.endswith(".yaml"))
+
+
+def register_configs() -> None:
+    """The typed schema under the primary config, and every recipes/*.yaml as group `recipe`."""
+    store = ConfigStore.instance()
+    store.store(name="moetrain_schema", node=Config)
+    folder = resources.files("moetrain.recipes")
+    for name in recipe_names():
+        recipe = OmegaConf.create(folder.joinpath(f"{name}.yaml").read_text())
+        store.store(group="recipe", name=name, node=recipe, package="_global_")
+
+
+# ---- turning errors into one line -----------------------------------------------------------------
+def _one_line(text: str) -> str:
+    return " ".join(line.strip() for line in str(text).splitlines() if line.strip())
+
+
+def _omegaconf_cause(error: BaseException) -> OmegaConfBaseException | None:
+    while error is not None:
+        if isinstance(error, OmegaConfBaseException):
+            return error
+        error = error.__cause__ or error.__context__
+    return None
+
+
+def _keys_under(parent: str, overrides: list[str]) -> list[str]:
+    """The keys a config node has once the command line's group choices are applied."""
+    parser = OverridesParser.create()
+    group_choices = [
+        text for text, o in zip(overrides, parser.parse_overrides(overrides)) if o.key_or_group in GROUPS + ("recipe",)
+    ]
+    try:
+        node = hydra.compose(config_name=CONFIG_NAME, overrides=group_choices)
+        node = OmegaConf.select(node, parent) if parent else node
+    except Exception:  # the key list only improves the message; the error itself is reported anyway
+        return []
+    return list(node.keys()) if isinstance(node, DictConfig) else []
+
+
+def _explain(error: Exception, overrides: list[str]) -> str:
+    """One line for a Hydra or OmegaConf composition error."""
+    if isinstance(error, MissingConfigException) and error.options is not None:
+        group, _, option = (error.missing_cfg_file or "").rpartition("/")
+        return (
+            f"unknown {group or 'config'} option '{option}': choose {group}=" + "|".join(error.options)
+            + did_you_mean(option, error.options)
+        )
+    cause = _omegaconf_cause(error)
+    if isinstance(cause, (ConfigKeyError, ConfigAttributeError)) and cause.full_key:
+        parent, _, leaf = cause.full_key.rpartition(".")
+        keys = _keys_under(parent, overrides)
+        where = parent or "the top level"
+        message = f"unknown key '{cause.full_key}'"
+        if keys:
+            message += f": {where} has " + ", ".join(keys) + did_you_mean(leaf, keys)
+        if parent.split(".")[0] in ("model", "data"):
+            message += f"; to pass a new argument to {parent}._target_, write +{cause.full_key}=VALUE"
+        return message
+    if isinstance(cause, ValidationError) and cause.full_key:
+        return f"bad value for {cause.full_key}: {_one_line(cause.msg)}"
+    return _one_line(cause.msg if cause is not None else error)
+
+
+# ---- checks Hydra cannot make ---------------------------------------------------------------------
+def _matches(value, hint) -> bool:
+    """Whether `value` fits a plain annotation; anything fancier is left to the target itself."""
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        return any(_matches(value, arg) for arg in typing.get_args(hint))
+    if hint is type(None):
+        return value is None
+    if hint is bool:
+        return isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if hint is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if hint is str:
+        return isinstance(value, str)
+    return True
+
+
+def check_target(group: str, node: dict) -> None:
+    """The group's _target_ imports, and takes every key of the group with a value of its type."""
+    path = node["_target_"]
+    try:
+        target = hydra.utils.get_object(path)
+    except Exception as error:
+        raise ConfigError(f"{group}._target_={path} cannot be imported ({_one_line(error)}): fix the dotted path")
+    parameters = inspect.signature(target).parameters
+    if any(p.kind == p.VAR_KEYWORD for p in parameters.values()):
+        return  # takes anything: the target checks its own arguments
+    accepted = [name for name, p in parameters.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    hints = typing.get_type_hints(target.__init__ if inspect.isclass(target) else target)
+    for key, value in node.items():
+        if key.startswith("_") and key.endswith("_"):  # Hydra's own keys (_target_, _partial_, ...)
+            continue
+        if key not in accepted:
+            raise ConfigError(
+                f"unknown key {group}.{key}: {path} takes " + ", ".join(accepted) + did_you_mean(key, accepted)
+            )
+        if key in hints and not _matches(value, hints[key]):
+            raise ConfigError(f"bad value for {group}.{key}: {value!r} is not {hints[key]} ({path})")
+
+
+def checked(cfg: DictConfig) -> Config:
+    """The composed config as the typed schema, after every check; raises ConfigError."""
+    if "recipe" in cfg:
+        raise ConfigError(f"'recipe' is not a config key: apply a recipe with +recipe=NAME ({'|'.join(recipe_names())})")
+    config: Config = OmegaConf.to_object(cfg)
+    validate(config)
+    for group in ("model", "data"):
+        check_target(group, getattr(config, group))
+    return config
+
+
+def check_command_line(overrides: list[str], multirun: bool, config_dir: str | None = None) -> None:
+    """Compose every run the command line asks for and check it; raises ConfigError."""
+    if config_dir:  # --config-dir: the user's own configs, searched after moetrain's
+        overrides = overrides + [f"hydra.searchpath=[file://{Path(config_dir).resolve()}]"]
+    try:
+        parsed = OverridesParser.create().parse_overrides(overrides)
+    except HydraException as error:
+        raise ConfigError(_one_line(error)) from None
+    recipes = recipe_names()
+    for override in parsed:
+        if override.key_or_group != "recipe":
+            continue
+        if not override.is_add():
+            raise ConfigError(
+                f"write +recipe=... with a plus: a recipe is applied on top of the defaults (recipes: {'|'.join(recipes)})"
+            )
+        names = list(override.sweep_string_iterator()) if override.is_sweep_override() else [override.value()]
+        for name in names:
+            if name not in recipes:
+                raise ConfigError(f"unknown recipe '{name}': choose +recipe=" + "|".join(recipes) + did_you_mean(name, recipes))
+    runs = [overrides]
+    if multirun:
+        try:
+            runs = BasicSweeper.split_arguments(parsed, None)[0]
+        except HydraException:
+            runs = []  # a sweep only a sweeper plugin can expand: each job checks its own config
+    with hydra.initialize_config_module(config_module=CONFIG_MODULE, version_base="1.3"):
+        for run in runs:
+            try:
+                cfg = hydra.compose(config_name=CONFIG_NAME, overrides=list(run))
+            except Exception as error:
+                raise ConfigError(_explain(error, list(run))) from None
+            checked(cfg)
+
+
+# ---- the run ------------------------------------------------------------------------------------
+def _instantiate(group: str, node: dict, **kwargs):
+    try:
+        return hydra.utils.instantiate(node, **kwargs, _convert_="all")
+    except InstantiationException as error:
+        cause = error.__cause__
+        if isinstance(cause, ConfigError):
+            raise cause from None
+        raise ConfigError(f"{group} ({node['_target_']}): {_one_line(cause or error)}") from None
+
+
+def train(cfg: DictConfig, run_dir: Path) -> dict:
+    """Build data, model and trainer from the composed config, train in run_dir, return the final metrics."""
+    config = checked(cfg)
+    log.info("run directory %s", run_dir)
+    seed_everything(config.seed)
+    data = _instantiate("data", config.data)
+    # The data fixes the model's input and output sizes unless the model config sets them itself.
+    model_inputs = {key: value for key, value in data.model_inputs.items() if key not in config.model}
+    model = _instantiate("model", config.model, **model_inputs, moe_kwargs=moe_kwargs(config.gate))
+    log.info("model %s: %.2fM parameters", config.model["_target_"], sum(p.numel() for p in model.parameters()) / 1e6)
+    trainer = Trainer(
+        model,
+        data,
+        trainer=config.trainer,
+        optim=config.optim,
+        logger=config.logger,
+        run_dir=run_dir,
+        seed=config.seed,
+        run_config=OmegaConf.to_container(cfg, resolve=True, enum_to_str=True),
+    )
+    return trainer.fit()
+
+
+def _fail(message: str, code: int) -> typing.NoReturn:
+    print(f"moetrain: error: {message}", file=sys.stderr)
+    sys.exit(code)
+
+
+def _task(cfg: DictConfig) -> None:
+    try:
+        train(cfg, Path(HydraConfig.get().runtime.output_dir))
+    except ConfigError as error:
+        _fail(str(error), EXIT_CONFIG_ERROR)
+    except NonFiniteLoss as error:
+        _fail(str(error), EXIT_TRAINING_FAILED)
+
+
+def main() -> None:
+    register_configs()
+    args = get_args_parser().parse_args()
+    if args.config_path or args.config_name:
+        _fail("moetrain composes its own configs: add yours with --config-dir DIR instead of -cp/-cn", EXIT_CONFIG_ERROR)
+    if not (args.help or args.hydra_help or args.shell_completion or args.info):
+        try:
+            check_command_line(args.overrides, args.multirun, args.config_dir)
+        except ConfigError as error:
+            _fail(str(error), EXIT_CONFIG_ERROR)
+    hydra.main(version_base="1.3", config_path=f"pkg://{CONFIG_MODULE}", config_name=CONFIG_NAME)(_task)()

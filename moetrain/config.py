@@ -1,0 +1,204 @@
+"""Typed schemas for the moetrain configuration, and the checks a schema alone cannot express.
+
+The schemas are plain dataclasses: moetrain.cli registers `Config` in Hydra's ConfigStore, so
+every YAML file of conf/ and recipes/ is merged into them and an unknown key or a value of the
+wrong type is refused while composing. The model and data groups are open dictionaries instead:
+each names its builder with `_target_` (a dotted path) plus that builder's keyword arguments, so
+a new model or data set is one YAML file and no schema change. Library code receives these
+dataclasses (or the plain dictionaries), never Hydra objects.
+"""
+
+from __future__ import annotations
+
+import difflib
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any, Dict, List, Optional
+
+
+class ConfigError(ValueError):
+    """A configuration mistake, reported to the user as one line naming the key and the fix."""
+
+
+def did_you_mean(word: str, choices) -> str:
+    """' (did you mean X?)' for the closest of `choices`, or '' when nothing is close."""
+    close = difflib.get_close_matches(str(word), [str(c) for c in choices], n=1)
+    return f" (did you mean {close[0]}?)" if close else ""
+
+
+class GateType(Enum):
+    top = "top"  # softmax over experts, top-k (Switch, GShard, Mixtral, Qwen3)
+    cosine = "cosine"  # cosine similarity in a low-dimensional space (X-MoE)
+    sigmoid = "sigmoid"  # sigmoid scores + load-balancing bias, no aux loss needed (DeepSeek-V3)
+
+
+class Impl(Enum):
+    kernel = "kernel"  # moetrain._C (C++ / CUDA)
+    torch = "torch"  # the pure-torch reference path
+
+
+class Device(Enum):
+    auto = "auto"  # cuda when a GPU is visible, else cpu
+    cpu = "cpu"
+    cuda = "cuda"
+
+
+class Precision(Enum):
+    auto = "auto"  # bf16 autocast on CUDA, fp32 on CPU
+    bf16 = "bf16"
+    fp32 = "fp32"
+
+
+class NonFinite(Enum):
+    stop = "stop"  # stop the run, naming the step
+    skip = "skip"  # drop that step's update and go on
+
+
+class OptimizerName(Enum):
+    adamw = "adamw"
+    sgd = "sgd"
+
+
+# Gate-specific settings and the gate types that take them. They default to None: "use the gate's
+# own default", and only the ones that were set are forwarded to the gate.
+GATE_SPECIFIC = {
+    "normalize": ("top", "sigmoid"),
+    "jitter_eps": ("top",),
+    "proj_dim": ("cosine",),
+    "init_temperature": ("cosine",),
+    "bias_update_rate": ("sigmoid",),
+    "n_group": ("sigmoid",),
+    "topk_group": ("sigmoid",),
+    "routed_scaling_factor": ("sigmoid",),
+}
+
+
+@dataclass
+class GateConfig:
+    """How tokens are routed to experts: every MoE layer of the model gets these settings."""
+
+    type: GateType = GateType.top
+    top_k: int = 2
+    capacity_factor: float = 1.0  # expert capacity = factor * tokens * top_k / experts; 0 = dropless
+    balance_loss_weight: float = 0.01  # weight of the load-balancing loss added to the training loss
+    z_loss_weight: float = 0.0  # weight of the router z-loss (ST-MoE)
+    batch_prioritized: bool = False  # under a capacity limit, keep the highest-scoring tokens first
+    impl: Impl = Impl.kernel
+    normalize: Optional[bool] = None
+    jitter_eps: Optional[float] = None
+    proj_dim: Optional[int] = None
+    init_temperature: Optional[float] = None
+    bias_update_rate: Optional[float] = None
+    n_group: Optional[int] = None
+    topk_group: Optional[int] = None
+    routed_scaling_factor: Optional[float] = None
+
+
+@dataclass
+class ParallelConfig:
+    """How many processes share the work (one per GPU, or CPU processes over Gloo)."""
+
+    nproc_per_node: int = 1
+
+
+@dataclass
+class OptimConfig:
+    name: OptimizerName = OptimizerName.adamw
+    lr: float = 1e-3
+    weight_decay: float = 0.05  # applied to matrices only, never to biases or norm scales
+    betas: List[float] = field(default_factory=lambda: [0.9, 0.95])  # adamw
+    eps: float = 1e-8  # adamw
+    momentum: float = 0.9  # sgd
+    warmup_steps: int = 100  # linear warm-up from lr / (warmup_steps + 1) to lr
+    min_lr_ratio: float = 0.1  # the cosine decay ends at lr * min_lr_ratio on trainer.max_steps
+
+
+@dataclass
+class TrainerConfig:
+    max_steps: int = 1000  # optimizer steps
+    grad_accum_steps: int = 1  # micro-batches of data.batch_size per optimizer step
+    grad_clip: float = 1.0  # max global gradient norm; 0 turns clipping off
+    eval_every: int = 200  # steps between evaluations; 0 = only at the end
+    eval_batches: int = 0  # batches per evaluation; 0 = the whole evaluation set
+    checkpoint_every: int = 500  # steps between checkpoints; 0 = only at the end
+    keep_checkpoints: int = 2  # newest checkpoints kept in the run directory; 0 = keep all
+    resume: Optional[str] = None  # null, "auto" (latest checkpoint of this run dir) or a path
+    on_nonfinite: NonFinite = NonFinite.stop
+    device: Device = Device.auto
+    precision: Precision = Precision.auto
+    progress_bar: bool = True
+
+
+@dataclass
+class LoggerConfig:
+    tensorboard: bool = True  # event files in the run directory
+    log_every: int = 10  # steps between logged training metrics
+
+
+@dataclass
+class Config:
+    name: str = "moetrain"  # names the run directory: runs/<date>_<time>_<name>
+    seed: int = 0
+    model: Dict[str, Any] = field(default_factory=dict)
+    gate: GateConfig = field(default_factory=GateConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    data: Dict[str, Any] = field(default_factory=dict)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
+
+
+def moe_kwargs(gate: GateConfig) -> dict:
+    """The keyword arguments every MoELayer of the model receives (the models' `moe_kwargs`)."""
+    gate_kwargs = {key: getattr(gate, key) for key in GATE_SPECIFIC if getattr(gate, key) is not None}
+    return {
+        "gate": gate.type.value,
+        "top_k": gate.top_k,
+        "capacity_factor": gate.capacity_factor,
+        "balance_loss_weight": gate.balance_loss_weight,
+        "z_loss_weight": gate.z_loss_weight,
+        "batch_prioritized": gate.batch_prioritized,
+        "impl": gate.impl.value,
+        "gate_kwargs": gate_kwargs,
+    }
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise ConfigError(message)
+
+
+def validate(cfg: Config) -> None:
+    """Checks across keys and on value ranges; raises ConfigError with a one-line fix."""
+    gate, trainer, optim = cfg.gate, cfg.trainer, cfg.optim
+    for key, types in GATE_SPECIFIC.items():
+        _require(
+            getattr(gate, key) is None or gate.type.value in types,
+            f"gate.{key} applies to gate.type={'|'.join(types)} only, not {gate.type.value}: "
+            f"remove it or pick one of those gate types",
+        )
+    _require(gate.top_k >= 1, f"gate.top_k must be >= 1, got {gate.top_k}")
+    num_experts = cfg.model.get("num_experts")
+    if isinstance(num_experts, int):
+        _require(
+            gate.top_k <= num_experts,
+            f"gate.top_k={gate.top_k} exceeds model.num_experts={num_experts}: "
+            f"lower gate.top_k or raise model.num_experts",
+        )
+    _require(gate.capacity_factor >= 0, f"gate.capacity_factor must be >= 0 (0 = dropless), got {gate.capacity_factor}")
+    _require(cfg.parallel.nproc_per_node >= 1, f"parallel.nproc_per_node must be >= 1, got {cfg.parallel.nproc_per_node}")
+    _require(optim.lr > 0, f"optim.lr must be > 0, got {optim.lr}")
+    _require(len(optim.betas) == 2, f"optim.betas must hold two numbers, got {list(optim.betas)}")
+    _require(optim.warmup_steps >= 0, f"optim.warmup_steps must be >= 0, got {optim.warmup_steps}")
+    _require(0 <= optim.min_lr_ratio <= 1, f"optim.min_lr_ratio must be in [0, 1], got {optim.min_lr_ratio}")
+    for key in ("max_steps", "grad_accum_steps"):
+        _require(getattr(trainer, key) >= 1, f"trainer.{key} must be >= 1, got {getattr(trainer, key)}")
+    for key in ("eval_every", "eval_batches", "checkpoint_every", "keep_checkpoints"):
+        _require(getattr(trainer, key) >= 0, f"trainer.{key} must be >= 0, got {getattr(trainer, key)}")
+    _require(trainer.grad_clip >= 0, f"trainer.grad_clip must be >= 0 (0 = off), got {trainer.grad_clip}")
+    _require(cfg.logger.log_every >= 1, f"logger.log_every must be >= 1, got {cfg.logger.log_every}")
+    for group in ("model", "data"):
+        _require(
+            isinstance(getattr(cfg, group).get("_target_"), str),
+            f"{group} has no _target_: pick a {group} preset ({group}=NAME) or set {group}._target_",
+        )

@@ -1,0 +1,58 @@
+"""What the trainer needs from a data set, and the pieces every image data set shares.
+
+A data preset (conf/data/*.yaml) names a builder with `_target_`; the builder returns a
+`DataModule`. The module says which task it serves, so one trainer fits both image
+classification and language modelling: batches are always `(inputs, targets)`, and the loss is
+cross-entropy of the model's logits `[..., C]` against integer targets `[...]` (one class per
+image, or the next token per position).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch.utils.data import Dataset
+
+TASKS = ("classification", "language_modeling")
+
+
+@dataclass
+class DataModule:
+    task: str  # one of TASKS: classification reports accuracy; language modelling adds perplexity
+    train_set: Dataset  # items (inputs, targets)
+    eval_set: Dataset
+    batch_size: int  # per micro-batch
+    eval_batch_size: int
+    num_workers: int
+    model_inputs: dict  # model arguments the data fixes, e.g. image_size, in_channels, num_classes
+
+    def __post_init__(self):
+        if self.task not in TASKS:
+            raise ValueError(f"DataModule.task must be one of {TASKS}, got {self.task!r}")
+
+
+class SeededTransform(Dataset):
+    """Applies a random transform whose randomness depends only on (seed, epoch, index).
+
+    torchvision's augmentations draw from torch's global generator, so their result would depend
+    on how many samples were drawn before, in which worker. Seeding each sample on its own makes
+    an epoch's augmented images the same whatever the worker count, and lets a resumed run see the
+    exact images an uninterrupted run would have seen. The trainer calls set_epoch each epoch.
+    """
+
+    def __init__(self, dataset: Dataset, transform, seed: int):
+        self.dataset, self.transform, self.seed, self.epoch = dataset, transform, seed, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index: int):
+        image, target = self.dataset[index]
+        with torch.random.fork_rng(devices=[]):
+            # Python hashes tuples of ints the same way in every process (no hash randomisation).
+            torch.manual_seed(hash((self.seed, self.epoch, index)))
+            return self.transform(image), target

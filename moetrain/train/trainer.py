@@ -1,0 +1,270 @@
+"""The training loop: one process on a CPU or one GPU (a strategy object is the multi-process seam).
+
+Each optimizer step takes trainer.grad_accum_steps micro-batches. The loss is cross-entropy of the
+model's logits against integer targets (one class per image, or one next token per position;
+targets of -100 are ignored) plus every MoE layer's aux_loss, whose configured weights the layers
+already applied. The step's gradients are reduced (strategy), clipped, checked (a non-finite loss
+or gradient stops the run or skips the step, as configured), applied, and the routers' load
+biases are updated. Evaluation, logging and checkpoints run every N steps and at the end.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import random
+import time
+from collections import defaultdict
+from contextlib import nullcontext
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader
+from tqdm import tqdm
+
+from moetrain.config import ConfigError, Device, LoggerConfig, NonFinite, OptimConfig, Precision, TrainerConfig
+from moetrain.data import DataModule
+from moetrain.moe import MoELayer, update_router_biases
+from moetrain.train import checkpoint
+from moetrain.train.metrics import TensorBoard
+from moetrain.train.optim import build_scheduler
+from moetrain.train.strategy import SingleProcess
+from moetrain.train.stream import BatchStream
+
+log = logging.getLogger(__name__)
+
+IGNORE_INDEX = -100
+EVAL_TAGS = ["eval/loss", "eval/accuracy"]
+
+
+class NonFiniteLoss(RuntimeError):
+    """The loss or the gradient norm of a step was NaN or infinite."""
+
+
+def seed_everything(seed: int) -> None:
+    """Seed Python, NumPy and torch (every device) before the model is built."""
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def resolve_device(device: Device) -> torch.device:
+    if device == Device.auto:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device == Device.cuda and not torch.cuda.is_available():
+        raise ConfigError("trainer.device=cuda but no CUDA GPU is visible: use trainer.device=auto or cpu")
+    return torch.device(device.value)
+
+
+def task_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy over every scored position: logits [..., C], targets [...]."""
+    return F.cross_entropy(logits.float().flatten(0, -2), targets.flatten(), ignore_index=IGNORE_INDEX)
+
+
+class Trainer:
+    def __init__(
+        self,
+        model: nn.Module,
+        data: DataModule,
+        trainer: TrainerConfig,
+        optim: OptimConfig,
+        logger: LoggerConfig,
+        run_dir: Path,
+        seed: int,
+        run_config: dict,
+        strategy: SingleProcess | None = None,
+    ):
+        self.cfg, self.logger_cfg, self.data = trainer, logger, data
+        self.run_dir, self.run_config = Path(run_dir), run_config
+        self.strategy = strategy or SingleProcess()
+        self.device = resolve_device(trainer.device)
+        bf16 = trainer.precision == Precision.bf16 or (trainer.precision == Precision.auto and self.device.type == "cuda")
+        self.autocast = (
+            (lambda: torch.autocast(self.device.type, dtype=torch.bfloat16)) if bf16 else nullcontext
+        )
+        self.model = model.to(self.device)
+        self.moe_layers = {name: m for name, m in self.model.named_modules() if isinstance(m, MoELayer)}
+        self.optimizer = self.strategy.build_optimizer(self.model, optim)
+        self.scheduler = build_scheduler(self.optimizer, optim, trainer.max_steps)
+        pin = self.device.type == "cuda"
+        self.stream = BatchStream(data.train_set, data.batch_size, data.num_workers, seed, pin_memory=pin)
+        self.eval_loader = DataLoader(
+            data.eval_set,
+            batch_size=data.eval_batch_size,
+            num_workers=data.num_workers,
+            pin_memory=pin,
+            generator=torch.Generator(),  # leaves torch's global generator untouched (see stream.py)
+        )
+        self.step = 0
+        self.skipped_steps = 0
+
+    # ---- checkpoints -------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        return {
+            "step": self.step,
+            "skipped_steps": self.skipped_steps,
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "data": self.stream.state_dict(),
+            "rng": checkpoint.rng_state(),
+            "config": self.run_config,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.stream.load_state_dict(state["data"])
+        checkpoint.set_rng_state(state["rng"])
+        self.step, self.skipped_steps = state["step"], state["skipped_steps"]
+
+    def save_checkpoint(self) -> None:
+        if self.strategy.is_main:
+            path = checkpoint.save(self.state_dict(), self.run_dir, self.step, self.cfg.keep_checkpoints)
+            log.info("step %d: checkpoint %s", self.step, path)
+
+    def _resume(self) -> None:
+        path = checkpoint.find(self.cfg.resume, self.run_dir)
+        if path is None:
+            log.info("trainer.resume=auto: no checkpoint in %s yet, starting from step 0", self.run_dir)
+            return
+        state = checkpoint.load(path)
+        if state["config"].get("model") != self.run_config.get("model"):
+            raise ConfigError(
+                f"trainer.resume: {path} holds a different model config than this run: "
+                "resume with the model settings of the run that wrote it"
+            )
+        self.load_state_dict(state)
+        log.info("resumed from %s at step %d", path, self.step)
+
+    # ---- evaluation --------------------------------------------------------------------------
+    @torch.no_grad()
+    def evaluate(self) -> dict:
+        self.model.eval()
+        loss_sum, correct, count = 0.0, 0, 0
+        for index, (inputs, targets) in enumerate(self.eval_loader):
+            if self.cfg.eval_batches and index == self.cfg.eval_batches:
+                break
+            inputs, targets = inputs.to(self.device), targets.to(self.device)
+            with self.autocast():
+                logits = self.model(inputs)
+            scored = targets != IGNORE_INDEX
+            n = int(scored.sum())
+            loss_sum += float(task_loss(logits, targets)) * n
+            correct += int((logits.argmax(dim=-1) == targets)[scored].sum())
+            count += n
+        self.model.train()
+        metrics = {"eval/loss": loss_sum / count, "eval/accuracy": correct / count}
+        if self.data.task == "language_modeling":
+            metrics["eval/perplexity"] = math.exp(min(metrics["eval/loss"], 50.0))
+        return metrics
+
+    # ---- training ----------------------------------------------------------------------------
+    def _train_step(self, routing: dict) -> tuple[float, float, float]:
+        """One optimizer step over grad_accum_steps micro-batches -> (loss, aux loss, grad norm)."""
+        accum = self.cfg.grad_accum_steps
+        loss_total = torch.zeros((), device=self.device)
+        aux_total = torch.zeros((), device=self.device)
+        for _ in range(accum):
+            inputs, targets = next(self.stream)
+            inputs = inputs.to(self.device, non_blocking=True)
+            targets = targets.to(self.device, non_blocking=True)
+            with self.autocast():
+                logits = self.model(inputs)
+                loss = task_loss(logits, targets)
+                aux = sum((layer.aux_loss for layer in self.moe_layers.values()), torch.zeros((), device=self.device))
+            ((loss + aux) / accum).backward()
+            loss_total += loss.detach()
+            aux_total += aux.detach()
+            for name, layer in self.moe_layers.items():
+                routing[name][0] += layer.stats.tokens_per_expert
+                routing[name][1] += layer.stats.kept_per_expert
+        self.strategy.reduce_gradients(self.model)
+        max_norm = self.cfg.grad_clip or math.inf  # with inf, clip_grad_norm_ only measures the norm
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+        # One host sync per step: the update must not happen when anything is non-finite.
+        loss_value, aux_value, norm_value = torch.stack([loss_total / accum, aux_total / accum, grad_norm]).tolist()
+        if all(math.isfinite(v) for v in (loss_value, aux_value, norm_value)):
+            self.optimizer.step()
+            update_router_biases(self.model)
+        elif self.cfg.on_nonfinite == NonFinite.stop:
+            raise NonFiniteLoss(
+                f"non-finite {'loss' if not math.isfinite(loss_value + aux_value) else 'gradient norm'} at step "
+                f"{self.step} (loss {loss_value}, aux loss {aux_value}, grad norm {norm_value}): lower optim.lr, "
+                "raise optim.warmup_steps, or set trainer.on_nonfinite=skip"
+            )
+        else:
+            self.skipped_steps += 1
+            log.warning("step %d: non-finite loss or gradient, update skipped (%d so far)", self.step, self.skipped_steps)
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+        return loss_value, aux_value, norm_value
+
+    def fit(self) -> dict:
+        """Train to trainer.max_steps; returns the final metrics (also written to metrics.json)."""
+        cfg = self.cfg
+        if cfg.resume:
+            self._resume()
+        board = TensorBoard(self.run_dir) if self.logger_cfg.tensorboard and self.strategy.is_main else None
+        if board is not None and self.step == 0:
+            board.hparams(self.run_config, EVAL_TAGS)
+        samples_per_step = self.data.batch_size * cfg.grad_accum_steps * self.strategy.world_size
+        metrics: dict = {}
+        routing = defaultdict(lambda: [0, 0])  # layer -> [tokens per expert, kept per expert] since the last log
+        window_losses, window_aux, window_seconds = [], [], 0.0
+        bar = tqdm(
+            total=cfg.max_steps,
+            initial=self.step,
+            desc="train",
+            unit="step",
+            dynamic_ncols=True,
+            disable=not (cfg.progress_bar and self.strategy.is_main),
+        )
+        self.model.train()
+        while self.step < cfg.max_steps:
+            self.step += 1
+            started = time.perf_counter()
+            loss, aux, grad_norm = self._train_step(routing)
+            window_seconds += time.perf_counter() - started
+            if math.isfinite(loss + aux):  # a skipped step's loss would turn the average into NaN
+                window_losses.append(loss)
+                window_aux.append(aux)
+            bar.update(1)
+            last = self.step == cfg.max_steps
+            if (self.step % self.logger_cfg.log_every == 0 or last) and window_losses:
+                metrics.update({
+                    "train/loss": sum(window_losses) / len(window_losses),
+                    "train/aux_loss": sum(window_aux) / len(window_aux),
+                    "train/lr": self.optimizer.param_groups[0]["lr"],
+                    "train/grad_norm": grad_norm,
+                    "train/samples_per_sec": samples_per_step * len(window_losses) / window_seconds,
+                })
+                bar.set_postfix(loss=f"{metrics['train/loss']:.4f}", samples_s=f"{metrics['train/samples_per_sec']:.0f}")
+                if board is not None:
+                    board.scalars({k: v for k, v in metrics.items() if k.startswith("train/")}, self.step)
+                    board.scalars({"train/skipped_steps": self.skipped_steps}, self.step)
+                    for name, (tokens_E, kept_E) in routing.items():
+                        board.routing(name, tokens_E, kept_E, self.step)
+                routing.clear()
+                window_losses, window_aux, window_seconds = [], [], 0.0
+            if (cfg.eval_every and self.step % cfg.eval_every == 0) or last:
+                metrics.update(self.evaluate())
+                log.info(
+                    "step %d: eval loss %.4f, accuracy %.4f", self.step, metrics["eval/loss"], metrics["eval/accuracy"]
+                )
+                if board is not None:
+                    board.scalars({k: v for k, v in metrics.items() if k.startswith("eval/")}, self.step)
+            if (cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0) or last:
+                self.save_checkpoint()
+        bar.close()
+        if board is not None:
+            board.close()
+        metrics.update({"step": self.step, "skipped_steps": self.skipped_steps})
+        if self.strategy.is_main:
+            (self.run_dir / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
+        return metrics
