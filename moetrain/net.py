@@ -33,6 +33,11 @@ __all__ = [
 ]
 
 
+# torch 2.14 renamed the single-tensor collectives; older releases (down to 2.4) have the old names.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
 def get_world_size(group=None) -> int:
     return dist.get_world_size(group)
 
@@ -120,7 +125,7 @@ def _all_gather_dim(x: torch.Tensor, dim: int, group) -> torch.Tensor:
     dim %= x.dim()
     # Gloo wants the ranks' tensors stacked along dim 0, not on a new leading dim.
     out = x.new_empty((world * x.size(0),) + tuple(x.shape[1:]))
-    dist.all_gather_into_tensor(out, x.contiguous(), group=group)
+    _all_gather_single(out, x.contiguous(), group=group)
     return out.unflatten(0, (world, x.size(0))).movedim(0, dim).flatten(dim, dim + 1)
 
 
@@ -130,7 +135,7 @@ def _reduce_scatter_dim(x: torch.Tensor, dim: int, group) -> torch.Tensor:
     piece = _split_evenly(x.size(dim), world, f"reduce_scatter(dim={dim})")
     send = x.unflatten(dim, (world, piece)).movedim(dim, 0).contiguous()
     out = x.new_empty(send.shape[1:])
-    dist.reduce_scatter_tensor(out, send.flatten(0, 1), group=group)
+    _reduce_scatter_single(out, send.flatten(0, 1), group=group)
     return out
 
 

@@ -3,8 +3,9 @@
 from moetrain.parallel.expert import ExpertParallel, parallelize, set_adaptive_r
 from moetrain.parallel.launch import choose_backend, free_port, init_distributed, init_from_torchrun, spawn
 from moetrain.parallel.layout import ExpertLayout
+from moetrain.parallel.optimizer import DistributedOptimizer
 
 __all__ = [
-    "ExpertLayout", "ExpertParallel", "choose_backend", "free_port", "init_distributed", "init_from_torchrun",
-    "parallelize", "set_adaptive_r", "spawn",
+    "DistributedOptimizer", "ExpertLayout", "ExpertParallel", "choose_backend", "free_port", "init_distributed",
+    "init_from_torchrun", "parallelize", "set_adaptive_r", "spawn",
 ]

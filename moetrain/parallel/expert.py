@@ -15,9 +15,11 @@ exchanged so that each rank runs its own experts on every rank's rows for them:
   packed layout (dropless): the per-expert row counts are exchanged first, then rows move by an
       uneven all-to-all and are regrouped expert-major.
 
-With a2a_ffn_overlap_degree = n > 1 (padded layout) the capacity dim is cut into n chunks: all
-chunks' all-to-alls are issued at once as asynchronous collectives and each chunk's experts start
-as soon as its rows arrive, so on GPUs communication overlaps expert compute.
+With a2a_ffn_overlap_degree = n > 1 the capacity dim is cut into n chunks: all chunks'
+all-to-alls are issued at once as asynchronous collectives and each chunk's experts start as soon
+as its rows arrive, so on GPUs communication overlaps expert compute. Only the padded layout is
+chunked; a dropless layer (whose row counts are only known after an exchange) runs unchunked, so
+one model-wide degree works for models that mix both.
 
 Shape letters: E experts, V virtual experts (E*r), C capacity, D model dim, G ranks of the
 expert-parallel group, R buffer rows.
@@ -67,9 +69,6 @@ class ExpertParallel:
         params = dict(experts.named_parameters()) if r == 1 else self._hidden_slices(experts, r)
         if plan.capacity is not None:
             return self._padded(experts, params, buf_RD, plan.capacity, r, overlap)
-        if overlap > 1:
-            raise ValueError("a2a_ffn_overlap_degree > 1 needs the padded layout (capacity_factor > 0); "
-                             f"got a dropless plan (capacity_factor <= 0) with degree {overlap}")
         return self._packed(experts, params, buf_RD, plan.counts_E, r)
 
     # ------------------------------------------------------------------ weights for each degree

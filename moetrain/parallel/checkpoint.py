@@ -1,0 +1,200 @@
+"""Checkpoints with expert shards per rank, and their conversion to another world size.
+
+A distributed checkpoint is one file per rank (rank00000-of-00004.pt ...), each a dict:
+
+    {"model": model.state_dict(),              # this rank's experts, all shared weights
+     "optimizer": DistributedOptimizer.state_dict(),   # named; this rank's part
+     "moe_parallel": {"world_size": W, "rank": i, "expert_parallel": bool,
+                      "experts": {state key: number of experts}},
+     ...}                                      # anything else (step, scheduler): rank 0's is kept
+
+Converting gathers every expert tensor (and its optimizer state) into the full [E, ...] tensor,
+then cuts it again for the new world size with the placement of layout.py, so a run can resume
+on a different number of ranks:
+
+    python -m moetrain.parallel.checkpoint SRC_DIR DST_DIR --world-size 2
+
+Shared optimizer state (ZeRO-1 keeps it on its owner) is merged and written to every new rank;
+each rank loads the part it updates.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import re
+
+import torch
+from torch import nn
+
+from moetrain.moe import MoELayer
+
+SHARD_NAME = "rank{rank:05d}-of-{world:05d}.pt"
+_SHARD_PATTERN = re.compile(r"rank(\d{5})-of-(\d{5})\.pt")
+
+
+def parallel_metadata(model: nn.Module, world_size: int, rank: int) -> dict:
+    """The "moe_parallel" entry describing how `model`'s experts are placed on this rank."""
+    experts, sharded = {}, []
+    for name, module in model.named_modules():
+        if isinstance(module, MoELayer):
+            sharded.append(module.parallel is not None)
+            prefix = f"{name}.experts." if name else "experts."
+            for key, _ in module.experts.named_parameters():
+                experts[prefix + key] = module.num_experts
+    if len(set(sharded)) > 1:
+        raise ValueError("all MoE layers must be parallelized the same way to be checkpointed")
+    return {"world_size": world_size, "rank": rank, "expert_parallel": bool(sharded and sharded[0]),
+            "experts": experts}
+
+
+def placement(num_experts: int, world_size: int, rank: int) -> slice:
+    """Rows of the full [E, ...] expert tensor stored on `rank` under expert parallelism (layout.py)."""
+    if num_experts >= world_size and num_experts % world_size or num_experts < world_size and world_size % num_experts:
+        raise ValueError(f"cannot place {num_experts} experts on {world_size} ranks: the expert count must be a "
+                         f"multiple or a divisor of the world size")
+    local = max(num_experts // world_size, 1)
+    first = rank // max(world_size // num_experts, 1) * local
+    return slice(first, first + local)
+
+
+def check_world_size(shard: dict, world_size: int, source: str = "CHECKPOINT_DIR") -> None:
+    """Fail before training if a checkpoint was written by a different number of ranks."""
+    saved = shard.get("moe_parallel", {}).get("world_size", 1)
+    if saved != world_size:
+        raise ValueError(f"the checkpoint was written by {saved} rank(s) but this run has {world_size}: convert it "
+                         f"first with `python -m moetrain.parallel.checkpoint {source} NEW_DIR --world-size {world_size}`")
+
+
+def _is_expert_tensor(value, rows: int) -> bool:
+    return isinstance(value, torch.Tensor) and value.dim() > 0 and value.size(0) == rows
+
+
+def consolidate(shards: list[dict]) -> dict:
+    """Per-rank checkpoints (in rank order) -> one checkpoint with full expert tensors (world size 1)."""
+    meta = shards[0]["moe_parallel"]
+    world = meta["world_size"]
+    if len(shards) != world or [shard["moe_parallel"]["rank"] for shard in shards] != list(range(world)):
+        raise ValueError(f"expected the {world} shards of a world-size-{world} checkpoint in rank order")
+    experts = meta["experts"]
+
+    def holders(key):
+        """One shard per distinct block of experts, in expert order (replicas skipped)."""
+        if not meta["expert_parallel"]:
+            return [shards[0]], None
+        first = {placement(experts[key], world, rank).start: shard for rank, shard in enumerate(shards)}
+        return [first[start] for start in sorted(first)], placement(experts[key], world, 0).stop
+
+    full = copy.copy(shards[0])
+    full["model"] = {}
+    for key, value in shards[0]["model"].items():
+        if key in experts:
+            parts, _ = holders(key)
+            value = torch.cat([shard["model"][key] for shard in parts])
+        full["model"][key] = value
+
+    if "optimizer" in shards[0]:
+        state = {}
+        for key in experts:
+            parts, rows = holders(key)
+            if key not in parts[0]["optimizer"]["state"]:
+                continue
+            entry = dict(parts[0]["optimizer"]["state"][key])
+            for item, value in entry.items():
+                if rows is not None and _is_expert_tensor(value, rows):
+                    entry[item] = torch.cat([shard["optimizer"]["state"][key][item] for shard in parts])
+            state[key] = entry
+        for shard in shards:  # shared state: wherever it lives (ZeRO-1 keeps it on its owner)
+            for key, entry in shard["optimizer"]["state"].items():
+                if key not in experts:
+                    state.setdefault(key, entry)
+        groups = copy.deepcopy(shards[0]["optimizer"]["param_groups"])
+        for index, group in enumerate(groups):
+            for shard in shards[1:]:
+                group["params"] += [name for name in shard["optimizer"]["param_groups"][index]["params"]
+                                    if name not in group["params"]]
+        full["optimizer"] = {"state": state, "param_groups": groups}
+    full["moe_parallel"] = {**meta, "world_size": 1, "rank": 0}
+    return full
+
+
+def reshard(full: dict, world_size: int, expert_parallel: bool | None = None) -> list[dict]:
+    """One full checkpoint -> world_size per-rank checkpoints (experts cut as layout.py places them)."""
+    meta = full["moe_parallel"]
+    if meta["world_size"] != 1:
+        raise ValueError("reshard takes a consolidated checkpoint (world size 1): call consolidate() first")
+    expert_parallel = meta["expert_parallel"] if expert_parallel is None else expert_parallel
+    experts = meta["experts"]
+    shards = []
+    for rank in range(world_size):
+        def cut(key, value, rows):
+            if not expert_parallel or key not in experts or not _is_expert_tensor(value, rows):
+                return value
+            return value[placement(experts[key], world_size, rank)].clone()
+
+        shard = copy.copy(full)
+        shard["model"] = {key: cut(key, value, experts.get(key)) for key, value in full["model"].items()}
+        if "optimizer" in full:
+            shard["optimizer"] = {
+                "state": {key: {item: cut(key, value, experts.get(key)) for item, value in entry.items()}
+                          for key, entry in full["optimizer"]["state"].items()},
+                "param_groups": copy.deepcopy(full["optimizer"]["param_groups"]),
+            }
+        shard["moe_parallel"] = {**meta, "world_size": world_size, "rank": rank, "expert_parallel": expert_parallel}
+        shards.append(shard)
+    return shards
+
+
+def convert(shards: list[dict], world_size: int, expert_parallel: bool | None = None) -> list[dict]:
+    return reshard(consolidate(shards), world_size, expert_parallel)
+
+
+# ---------------------------------------------------------------------- files
+
+
+def shard_path(directory: str, rank: int, world_size: int) -> str:
+    return os.path.join(directory, SHARD_NAME.format(rank=rank, world=world_size))
+
+
+def load_shards(directory: str) -> list[dict]:
+    names = sorted(name for name in os.listdir(directory) if _SHARD_PATTERN.fullmatch(name))
+    if not names:
+        raise FileNotFoundError(f"no per-rank checkpoint files ({SHARD_NAME.format(rank=0, world=1)}, ...) in {directory}")
+    world = int(_SHARD_PATTERN.fullmatch(names[0]).group(2))
+    expected = [SHARD_NAME.format(rank=rank, world=world) for rank in range(world)]
+    if names != expected:
+        raise ValueError(f"{directory} should hold exactly {expected}, found {names}")
+    return [torch.load(os.path.join(directory, name), map_location="cpu", weights_only=False) for name in names]
+
+
+def convert_checkpoint(source: str, destination: str, world_size: int, expert_parallel: bool | None = None) -> None:
+    if os.path.abspath(source) == os.path.abspath(destination):
+        raise ValueError("the destination directory must differ from the source")
+    shards = convert(load_shards(source), world_size, expert_parallel)
+    os.makedirs(destination, exist_ok=True)
+    for rank, shard in enumerate(shards):
+        torch.save(shard, shard_path(destination, rank, world_size))
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m moetrain.parallel.checkpoint",
+                                     description="Convert a per-rank MoE checkpoint to another world size.")
+    parser.add_argument("source", help="directory with rankNNNNN-of-NNNNN.pt files")
+    parser.add_argument("destination", help="new directory for the converted files")
+    parser.add_argument("--world-size", type=int, required=True, help="number of ranks of the new run")
+    parser.add_argument("--expert-parallel", choices=("yes", "no"), default=None,
+                        help="shard the experts in the output (default: as in the source)")
+    args = parser.parse_args(argv)
+    if args.world_size < 1:
+        parser.error(f"--world-size must be >= 1, got {args.world_size}")
+    expert_parallel = None if args.expert_parallel is None else args.expert_parallel == "yes"
+    try:
+        convert_checkpoint(args.source, args.destination, args.world_size, expert_parallel)
+    except (ValueError, FileNotFoundError) as error:
+        parser.exit(2, f"error: {error}\n")
+    print(f"wrote {args.world_size} shard(s) to {args.destination}")
+
+
+if __name__ == "__main__":
+    main()

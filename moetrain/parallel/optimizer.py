@@ -1,0 +1,248 @@
+"""MoE-aware distributed optimizer: wraps any torch optimizer for data + expert parallel training.
+
+    parallelize(model, adaptive_r=1)                      # optional: shard the experts
+    optimizer = DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=3e-4), model,
+                                     max_grad_norm=1.0, zero=True)
+    loss.backward(); optimizer.step(); optimizer.zero_grad()
+
+Each rank's loss is the mean over its own batch, and step() makes the update equal to the
+single-process update on the mean of all ranks' losses (the DDP convention):
+
+  shared parameters (attention, embeddings, routers, shared experts, and routed experts that
+      are not sharded): gradients averaged over all ranks;
+  sharded expert parameters: the expert-parallel all-to-all already brought every rank's
+      contribution to the rank holding the expert, so gradients are only summed over the
+      replicas of the same expert (none when experts >= ranks) and divided by the rank count;
+  max_grad_norm: clips by the global norm, each expert counted once however many replicas;
+  zero=True (ZeRO-1): each shared parameter's optimizer state lives on one rank, which updates
+      it and broadcasts the new values; expert parameters keep their state where they live;
+  routers with an aux-loss-free bias (sigmoid gate) update it from the load summed over ranks,
+      so every rank moves the bias the same way (calling update_router_biases() is not needed).
+
+Users never tag parameters: expert parameters are found through the MoE layers' strategies.
+state_dict() names parameters by their model names, so checkpoints survive resharding.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+from moetrain.moe import moe_layers
+
+
+@dataclass
+class _ExpertGroup:
+    params: list[nn.Parameter]
+    replicas: int
+    replica_group: object  # process group of the replicas; None when replicas == 1
+
+
+def _by_dtype(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    buckets: dict[tuple, list[torch.Tensor]] = {}
+    for tensor in tensors:
+        buckets.setdefault((tensor.dtype, tensor.device), []).append(tensor)
+    return list(buckets.values())
+
+
+def _all_reduce_coalesced(tensors: list[torch.Tensor], group, scale: float, communicate: bool) -> None:
+    """Sum each tensor over `group` (in place) through one flat buffer per dtype, then scale."""
+    for bucket in _by_dtype(tensors):
+        flat = _flatten_dense_tensors(bucket)
+        if communicate:
+            dist.all_reduce(flat, group=group)
+        flat.mul_(scale)
+        for tensor, reduced in zip(bucket, _unflatten_dense_tensors(flat, bucket)):
+            tensor.copy_(reduced)
+
+
+class DistributedOptimizer:
+    def __init__(self, optimizer: torch.optim.Optimizer, model: nn.Module, max_grad_norm: float | None = None,
+                 zero: bool = False, group=None):
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError("DistributedOptimizer needs torch.distributed initialised first "
+                               "(moetrain.parallel.init_distributed or torch.distributed.init_process_group)")
+        if max_grad_norm is not None and not max_grad_norm > 0:
+            raise ValueError(f"max_grad_norm must be > 0 or None, got {max_grad_norm!r}")
+        self.optimizer, self.model, self.group = optimizer, model, group
+        self.max_grad_norm = max_grad_norm
+        self.world_size = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+        self.ranks = dist.get_process_group_ranks(group or dist.group.WORLD)
+        self.last_grad_norm: torch.Tensor | None = None
+        self.names = {param: name for name, param in model.named_parameters()}
+
+        params = [param for param_group in optimizer.param_groups for param in param_group["params"]]
+        unknown = [param for param in params if param not in self.names]
+        if unknown:
+            raise ValueError(f"the optimizer holds {len(unknown)} parameter(s) that are not in the model")
+        in_optimizer = set(params)
+        expert_groups: dict[int, _ExpertGroup] = {}
+        for layer in moe_layers(model):
+            if layer.parallel is None:
+                continue  # experts replicated on every rank: plain shared parameters
+            layout = layer.parallel.layout
+            if layout.world_size != self.world_size:
+                raise ValueError(f"the experts are sharded over {layout.world_size} ranks but the optimizer's group "
+                                 f"has {self.world_size}: use the same process group for both")
+            entry = expert_groups.setdefault(id(layout), _ExpertGroup([], layout.replicas, layout.replica_group))
+            entry.params.extend(param for param in layer.experts.parameters() if param in in_optimizer)
+        self.expert_groups = list(expert_groups.values())
+        sharded = {param for entry in self.expert_groups for param in entry.params}
+        self.shared = [param for param in params if param not in sharded]
+        self._broadcast_from_first(self.shared + self._shared_buffers())
+
+        self.zero = bool(zero)
+        self.owner: dict[nn.Parameter, int] = {}
+        if self.zero:
+            self._shard_shared_state()
+
+    # ------------------------------------------------------------------ setup
+
+    def _shared_buffers(self) -> list[torch.Tensor]:
+        sharded_modules = {id(module) for layer in moe_layers(self.model) if layer.parallel is not None
+                           for module in layer.experts.modules()}
+        return [buffer for module in self.model.modules() if id(module) not in sharded_modules
+                for buffer in module.buffers(recurse=False)]
+
+    @torch.no_grad()
+    def _broadcast_from_first(self, tensors: list[torch.Tensor]) -> None:
+        """Every rank starts from rank 0's values (as DDP does), whatever their seeds."""
+        for bucket in _by_dtype([tensor.data for tensor in tensors]):
+            flat = _flatten_dense_tensors(bucket)
+            dist.broadcast(flat, self.ranks[0], group=self.group)
+            for tensor, value in zip(bucket, _unflatten_dense_tensors(flat, bucket)):
+                tensor.copy_(value)
+
+    def _shard_shared_state(self) -> None:
+        """ZeRO-1: give each shared parameter an owner (largest first, to the least loaded rank) and
+        keep only owned shared parameters in this rank's optimizer."""
+        load = [0] * self.world_size
+        for param in sorted(self.shared, key=lambda p: (-p.numel(), self.names[p])):
+            owner = min(range(self.world_size), key=lambda rank: (load[rank], rank))
+            self.owner[param] = owner
+            load[owner] += param.numel()
+        if any(self.optimizer.state.values()):
+            raise ValueError("zero=True must wrap an optimizer that has not stepped yet (its state would be lost)")
+        for param_group in self.optimizer.param_groups:
+            param_group["params"] = [param for param in param_group["params"]
+                                     if self.owner.get(param, self.rank) == self.rank]
+
+    # ------------------------------------------------------------------ the step
+
+    @property
+    def param_groups(self):
+        return self.optimizer.param_groups
+
+    def _parameters(self) -> list[nn.Parameter]:
+        return self.shared + [param for entry in self.expert_groups for param in entry.params]
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for param in self._parameters():
+            if set_to_none:
+                param.grad = None
+            elif param.grad is not None:
+                param.grad.zero_()
+
+    @torch.no_grad()
+    def _reduce(self, params: list[nn.Parameter], group, scale: float, communicate: bool = True) -> None:
+        # A parameter unused on some ranks still takes part in the reduction: zeros stand in for
+        # its missing gradient; one that no rank used keeps grad None (the optimizer skips it).
+        used = torch.tensor([param.grad is not None for param in params], dtype=torch.int32,
+                            device=params[0].device if params else None)
+        if communicate and params:
+            dist.all_reduce(used, op=dist.ReduceOp.MAX, group=group)
+        taking_part = []
+        for param, any_rank in zip(params, used.tolist()):
+            if any_rank and param.grad is None:
+                param.grad = torch.zeros_like(param)
+            if any_rank:
+                taking_part.append(param.grad)
+        _all_reduce_coalesced(taking_part, group, scale, communicate)
+
+    @torch.no_grad()
+    def reduce_gradients(self) -> None:
+        self._reduce(self.shared, self.group, 1.0 / self.world_size)
+        for entry in self.expert_groups:
+            self._reduce(entry.params, entry.replica_group, 1.0 / self.world_size, communicate=entry.replicas > 1)
+
+    @torch.no_grad()
+    def global_grad_norm(self) -> torch.Tensor:
+        """The L2 norm of the whole model's gradient, each expert counted once (after reduction)."""
+        def square_sum(params):
+            grads = [param.grad.float() for param in params if param.grad is not None]
+            return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])) ** 2 \
+                if grads else torch.zeros(())
+
+        device = next((param.device for param in self._parameters()), torch.device("cpu"))
+        experts = sum((square_sum(entry.params).to(device) / entry.replicas for entry in self.expert_groups),
+                      torch.zeros((), device=device))
+        dist.all_reduce(experts, group=self.group)  # every rank holds different experts
+        return (square_sum(self.shared).to(device) + experts).sqrt()
+
+    @torch.no_grad()
+    def _sync_router_biases(self) -> None:
+        for layer in moe_layers(self.model):
+            pending = getattr(layer.gate, "pending_load", None)
+            if pending is not None:
+                dist.all_reduce(pending, group=self.group)
+            layer.gate.update_bias()
+
+    @torch.no_grad()
+    def _broadcast_owned(self) -> None:
+        """ZeRO-1: each owner sends the shared parameters it updated, one flat message per dtype."""
+        for owner in range(self.world_size):
+            mine = [param.data for param in self.shared if self.owner[param] == owner]
+            for bucket in _by_dtype(mine):
+                flat = _flatten_dense_tensors(bucket)
+                dist.broadcast(flat, self.ranks[owner], group=self.group)
+                for tensor, value in zip(bucket, _unflatten_dense_tensors(flat, bucket)):
+                    tensor.copy_(value)
+
+    def step(self, closure=None):
+        if closure is not None:
+            raise ValueError("DistributedOptimizer.step does not take a closure: call backward() before step()")
+        self.reduce_gradients()
+        if self.max_grad_norm is not None:
+            self.last_grad_norm = self.global_grad_norm()
+            torch.nn.utils.clip_grads_with_norm_(
+                [param for param in self._parameters() if param.grad is not None], self.max_grad_norm,
+                self.last_grad_norm)
+        self.optimizer.step()
+        if self.zero:
+            self._broadcast_owned()
+        self._sync_router_biases()
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def state_dict(self) -> dict:
+        """The wrapped optimizer's state with parameters named as in the model (this rank's part)."""
+        inner = self.optimizer.state_dict()
+        order = [param for param_group in self.optimizer.param_groups for param in param_group["params"]]
+        names = [self.names[param] for param in order]
+        return {
+            "state": {names[index]: state for index, state in inner["state"].items()},
+            "param_groups": [{**group, "params": [names[index] for index in group["params"]]}
+                             for group in inner["param_groups"]],
+        }
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Load a named state; entries of parameters this rank does not update (ZeRO) are skipped."""
+        order = [param for param_group in self.optimizer.param_groups for param in param_group["params"]]
+        index = {self.names[param]: i for i, param in enumerate(order)}
+        groups = state_dict["param_groups"]
+        if len(groups) != len(self.optimizer.param_groups):
+            raise ValueError(f"the state has {len(groups)} parameter groups, the optimizer {len(self.optimizer.param_groups)}")
+        for param_group, saved in zip(self.optimizer.param_groups, groups):
+            for param in param_group["params"]:
+                if self.names[param] not in saved["params"]:
+                    raise ValueError(f"parameter {self.names[param]!r} is missing from the optimizer state's groups")
+        self.optimizer.load_state_dict({
+            "state": {index[name]: state for name, state in state_dict["state"].items() if name in index},
+            "param_groups": [{**saved, "params": [index[self.names[param]] for param in param_group["params"]]}
+                             for param_group, saved in zip(self.optimizer.param_groups, groups)],
+        })
