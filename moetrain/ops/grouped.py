@@ -1,35 +1,125 @@
-"""Expert matrix products on the expert-major buffer.
+"""Expert matrix products on the expert-major buffer (grouped GEMMs).
 
 Rows of expert e are contiguous. In the padded layout (capacity given) every expert owns exactly
 `capacity` rows, so one batched matmul does all experts. In the packed layout expert e owns
-counts[e] rows starting at the sum of earlier counts; rows past the last expert are padding and
-their outputs are never read.
+counts[e] rows starting at the sum of earlier counts; rows past the last expert are padding (the
+dispatch kernel leaves them zero) and their outputs are never read.
+
+Backends for the packed layout, picked automatically and logged once per choice:
+  "grouped_mm"  torch._grouped_mm: one launch for all experts, no host sync (CUDA sm90+, bf16,
+                rows 16-byte aligned); the fastest where it runs.
+  "loop"        one matmul per expert: runs everywhere, needs the counts on the host.
+The padded layout always uses "bmm" (torch.bmm on [E, C, I] x [E, I, O]) unless told otherwise.
+`expert_matmul(..., backend=...)` or `set_default_backend(...)` overrides the automatic choice.
+
+Shape letters: R buffer rows, I input dim, O output dim, E experts, C capacity (rows per expert).
 """
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
+log = logging.getLogger("moetrain")
 
-def expert_matmul(x_RI: torch.Tensor, w_EIO: torch.Tensor, counts_E: torch.Tensor, capacity: int | None) -> torch.Tensor:
-    """y[r] = x[r] @ w[expert_of(r)] -> [R, O]."""
-    num_experts, _, out_dim = w_EIO.shape
+BACKENDS = ("auto", "bmm", "grouped_mm", "loop")
+
+_default_backend = "auto"
+_logged: set[tuple[str, str]] = set()
+
+
+def _check_backend(backend: str) -> str:
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    return backend
+
+
+def set_default_backend(backend: str) -> None:
+    """Backend used when expert_matmul is called with backend="auto" left as is."""
+    global _default_backend
+    _default_backend = _check_backend(backend)
+
+
+def grouped_mm_supported(x_RI: torch.Tensor, w_EIO: torch.Tensor) -> tuple[bool, str]:
+    """Whether torch._grouped_mm runs these operands, and why not when it does not."""
+    if not hasattr(torch, "_grouped_mm"):
+        return False, f"torch {torch.__version__} has no _grouped_mm"
+    if x_RI.device.type != "cuda":
+        return False, f"{x_RI.device.type} tensors (torch._grouped_mm is used on CUDA only)"
+    if torch.cuda.get_device_capability(x_RI.device) < (9, 0):
+        return False, "GPU older than sm90"
+    if x_RI.dtype != torch.bfloat16 or w_EIO.dtype != torch.bfloat16:
+        return False, f"dtype {x_RI.dtype} (torch._grouped_mm needs bfloat16)"
+    # Its kernels need 16-byte aligned rows in both operands.
+    if x_RI.size(1) % 8 or w_EIO.size(2) % 8:
+        return False, f"dims {x_RI.size(1)}x{w_EIO.size(2)} not multiples of 8"
+    return True, "CUDA sm90+, bfloat16"
+
+
+def _choose(backend: str, x_RI: torch.Tensor, w_EIO: torch.Tensor, padded: bool) -> str:
+    if backend == "auto":
+        backend = _default_backend
+    if backend == "auto":
+        if padded:
+            backend, why = "bmm", "padded layout"
+        else:
+            ok, why = grouped_mm_supported(x_RI, w_EIO)
+            backend = "grouped_mm" if ok else "loop"
+        key = (backend, why)
+        if key not in _logged:
+            _logged.add(key)
+            log.info("moetrain: expert GEMMs use %s (%s)", backend, why)
+    elif backend == "bmm" and not padded:
+        raise ValueError("backend 'bmm' needs the padded layout (a capacity); use 'grouped_mm' or 'loop'")
+    return backend
+
+
+def _offsets(counts_E: torch.Tensor | list[int], num_rows: int, device: torch.device) -> torch.Tensor:
+    """int32 end row of each expert; the last expert absorbs the padding rows (zeros in, unread out)
+    so that every output row is written and no host sync is needed."""
+    counts = torch.as_tensor(counts_E, device=device)
+    ends_E = torch.cumsum(counts, 0, dtype=torch.int32)
+    ends_E[-1] = num_rows
+    return ends_E
+
+
+def expert_matmul(
+    x_RI: torch.Tensor,
+    w_EIO: torch.Tensor,
+    counts_E: torch.Tensor | list[int],
+    capacity: int | None,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """y[r] = x[r] @ w[expert_of(r)] -> [R, O]; differentiable in x and w."""
+    num_experts, in_dim, out_dim = w_EIO.shape
+    rows = x_RI.size(0)
+    chosen = _choose(_check_backend(backend), x_RI, w_EIO, capacity is not None)
+    if chosen == "bmm":
+        return torch.bmm(x_RI.view(num_experts, capacity, in_dim), w_EIO).view(rows, out_dim)
     if capacity is not None:
-        x_ECI = x_RI.view(num_experts, capacity, -1)
-        return torch.bmm(x_ECI, w_EIO).view(-1, out_dim)
-    counts = counts_E.tolist()
-    used = sum(counts)
-    pieces = [x @ w for x, w in zip(torch.split(x_RI[:used], counts), w_EIO)]
-    if used < x_RI.size(0):
-        pieces.append(x_RI.new_zeros(x_RI.size(0) - used, out_dim, dtype=pieces[0].dtype if pieces else x_RI.dtype))
-    return torch.cat(pieces)
+        counts_E = [capacity] * num_experts  # every block is a group of `capacity` rows
+    if chosen == "grouped_mm":
+        return torch._grouped_mm(x_RI, w_EIO, offs=_offsets(counts_E, rows, x_RI.device))
+    counts = counts_E.tolist() if isinstance(counts_E, torch.Tensor) else list(counts_E)
+    counts[-1] += rows - sum(counts)
+    return torch.cat([x @ w for x, w in zip(torch.split(x_RI, counts), w_EIO)])
 
 
 def expert_bias(b_EO: torch.Tensor, counts_E: torch.Tensor, capacity: int | None, num_rows: int) -> torch.Tensor:
-    """The bias of each row's expert -> [R, O] (padding rows get expert 0's, never read)."""
+    """The bias of each row's expert -> [R, O] (padding rows get the last expert's, never read)."""
     num_experts = b_EO.size(0)
     if capacity is not None:
         return b_EO.repeat_interleave(capacity, dim=0)
     ends_E = torch.cumsum(counts_E, 0)
     row_expert_R = torch.searchsorted(ends_E, torch.arange(num_rows, device=b_EO.device), right=True)
     return b_EO[row_expert_R.clamp(max=num_experts - 1)]
+
+
+def add_expert_bias(y_RO: torch.Tensor, b_EO: torch.Tensor, counts_E: torch.Tensor, capacity: int | None) -> torch.Tensor:
+    """y + the bias of each row's expert. In the padded layout the bias broadcasts over each
+    expert's block, so no [R, O] bias tensor is written and read again."""
+    if capacity is not None:
+        num_experts, out_dim = b_EO.shape
+        return (y_RO.view(num_experts, capacity, out_dim) + b_EO.to(y_RO.dtype).unsqueeze(1)).view_as(y_RO)
+    return y_RO + expert_bias(b_EO, counts_E, capacity, y_RO.size(0)).to(y_RO.dtype)

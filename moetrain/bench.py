@@ -1,0 +1,290 @@
+"""Benchmark of one MoE layer, forward + backward: `python -m moetrain.bench`.
+
+On a GPU (the default when one is visible) it prints, for each shape of PERFORMANCE.md and from
+one run, the useful expert TFLOP/s of
+  moetrain           MoELayer, capacity factor 1.0 (padded layout, batched GEMMs, CUDA kernels)
+  moetrain dropless  MoELayer, capacity factor 0 (packed layout, grouped GEMMs)
+  naive              a loop over experts: gather, two matmuls, weighted index_add
+  grouped_mm         torch's recipe: sort by expert, torch._grouped_mm twice, scatter back
+  dense              one 8192^3 GEMM in the same dtype: the ceiling
+with each figure's fraction of the ceiling and moetrain's ratio to the grouped_mm baseline.
+Useful expert FLOPs = tokens * D * H * k * 2 matmuls * 2 flop/mac * 3 (forward + backward), the
+same count for every column. Step time: median of CUDA-event timings after warm-up.
+
+`--device cpu` runs scaled-down shapes and compares the C++ kernel path with the pure-torch path
+(impl="torch") and the naive loop as time ratios (absolute CPU times mean little on a shared
+machine). `--json PATH` writes every number; `--shapes` and `--dtype` select what runs.
+
+Shape letters: T tokens, D model dim, H expert hidden size, E experts, K choices per token.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import logging
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from moetrain import MoELayer
+
+
+@dataclass(frozen=True)
+class Shape:
+    name: str
+    tokens: int
+    model_dim: int
+    hidden_size: int
+    num_experts: int
+    top_k: int
+
+    def useful_flops(self) -> float:
+        return self.tokens * self.model_dim * self.hidden_size * self.top_k * 2 * 2 * 3
+
+
+GPU_SHAPES = {
+    shape.name: shape
+    for shape in (
+        Shape("gshard_2k", 16384, 2048, 2048, 8, 2),
+        Shape("mixtral", 8192, 4096, 14336, 8, 2),
+        Shape("deepseek_fg", 8192, 2048, 1408, 64, 6),
+        Shape("switch_top1", 16384, 1024, 4096, 16, 1),
+    )
+}
+# Targets from PERFORMANCE.md: (fraction of the dense ceiling, ratio to the grouped_mm baseline).
+TARGETS = {"gshard_2k": (0.60, 1.2), "mixtral": (0.88, 1.0), "deepseek_fg": (0.50, 1.3), "switch_top1": (0.50, 1.25)}
+# Scaled down for a few-core CPU (the two configurations measured in PERFORMANCE.md).
+CPU_SHAPES = {
+    shape.name: shape
+    for shape in (
+        Shape("cpu_e8_k2", 2048, 256, 512, 8, 2),
+        Shape("cpu_e32_k4", 2048, 256, 128, 32, 4),
+    )
+}
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+# ---- the two baselines, on the MoE layer's own parameters so that every column does the same arithmetic
+
+
+def _route(x_TD: torch.Tensor, gate_ED: torch.Tensor, top_k: int):
+    """The layer's "top" gate: softmax over experts in fp32 (fp64 for fp64), the k largest probabilities."""
+    router_dtype = torch.promote_types(x_TD.dtype, torch.float32)
+    probs_TE = torch.softmax(x_TD.to(router_dtype) @ gate_ED.to(router_dtype).t(), dim=-1)
+    return torch.topk(probs_TE, top_k, dim=-1)
+
+
+def naive_moe(layer: MoELayer, x_TD: torch.Tensor) -> torch.Tensor:
+    """Loop over experts: each gathers its tokens, runs its FFN and adds the weighted output back."""
+    experts = layer.experts
+    weight_TK, idx_TK = _route(x_TD, layer.gate.weight_ED, layer.top_k)
+    y_TD = torch.zeros_like(x_TD)
+    for e in range(layer.num_experts):
+        token_N, choice_N = torch.nonzero(idx_TK == e, as_tuple=True)
+        h_NH = F.relu(x_TD[token_N] @ experts.w1[e] + experts.b1[e])
+        out_ND = h_NH @ experts.w2[e] + experts.b2[e]
+        y_TD = y_TD.index_add(0, token_N, (out_ND * weight_TK[token_N, choice_N, None]).to(x_TD.dtype))
+    return y_TD
+
+
+def grouped_mm_moe(layer: MoELayer, x_TD: torch.Tensor) -> torch.Tensor:
+    """torch's recipe: sort the choices by expert, two torch._grouped_mm, weighted index_add back."""
+    experts = layer.experts
+    weight_TK, idx_TK = _route(x_TD, layer.gate.weight_ED, layer.top_k)
+    expert_N = idx_TK.reshape(-1)
+    order_N = torch.argsort(expert_N, stable=True)
+    token_N = order_N // layer.top_k
+    sorted_expert_N = expert_N[order_N]
+    offsets_E = torch.cumsum(torch.bincount(expert_N, minlength=layer.num_experts), 0, dtype=torch.int32)
+    h_NH = F.relu(torch._grouped_mm(x_TD[token_N], experts.w1, offs=offsets_E) + experts.b1[sorted_expert_N])
+    out_ND = torch._grouped_mm(h_NH, experts.w2, offs=offsets_E) + experts.b2[sorted_expert_N]
+    out_ND = out_ND * weight_TK.reshape(-1)[order_N, None].to(out_ND.dtype)
+    return torch.zeros_like(x_TD).index_add(0, token_N, out_ND)
+
+
+# ---- timing
+
+
+def _time_steps(step: Callable[[], None], device: torch.device, warmup: int, steps: int) -> float:
+    """Median milliseconds of one step: CUDA events on a GPU, the host clock on the CPU."""
+    for _ in range(warmup):
+        step()
+    times = []
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(steps)]
+        for start, end in events:
+            start.record()
+            step()
+            end.record()
+        torch.cuda.synchronize(device)
+        times = [start.elapsed_time(end) for start, end in events]
+    else:
+        for _ in range(steps):
+            begin = time.perf_counter()
+            step()
+            times.append((time.perf_counter() - begin) * 1e3)
+    return statistics.median(times)
+
+
+def _forward_backward(fn: Callable[[torch.Tensor], torch.Tensor], x_TD: torch.Tensor, params: list[torch.Tensor]):
+    def step():
+        y_TD = fn(x_TD)
+        # Gradients are returned, not accumulated into .grad, so no step pays for an accumulation.
+        torch.autograd.grad(y_TD.float().sum(), [x_TD] + params)
+
+    return step
+
+
+def dense_ceiling(device: torch.device, dtype: torch.dtype, size: int = 8192, warmup: int = 3, steps: int = 20) -> float:
+    """TFLOP/s of one size^3 GEMM on random data."""
+    a = torch.randn(size, size, device=device, dtype=dtype)
+    b = torch.randn(size, size, device=device, dtype=dtype)
+    ms = _time_steps(lambda: torch.mm(a, b), device, warmup, steps)
+    return 2 * size**3 / (ms * 1e-3) / 1e12
+
+
+def build_layer(shape: Shape, device: torch.device, dtype: torch.dtype, capacity_factor: float, impl: str) -> MoELayer:
+    torch.manual_seed(0)
+    layer = MoELayer(model_dim=shape.model_dim, num_experts=shape.num_experts, hidden_size=shape.hidden_size,
+                     top_k=shape.top_k, gate="top", capacity_factor=capacity_factor, activation="relu", expert="ffn",
+                     impl=impl)
+    layer = layer.to(device=device, dtype=dtype)
+    layer.gate.to(torch.promote_types(dtype, torch.float32))  # the router computes in fp32 (or fp64)
+    with torch.no_grad():  # biases start at zero; give them values so their arithmetic is real
+        layer.experts.b1.normal_(0, 0.02)
+        layer.experts.b2.normal_(0, 0.02)
+    return layer
+
+
+def profile_table(step: Callable[[], None], device: torch.device, rows: int = 15) -> str:
+    """The kernels of three steps, most time first: where the time of a step goes."""
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=activities) as profiler:
+        for _ in range(3):
+            step()
+    sort_by = "cuda_time_total" if device.type == "cuda" else "cpu_time_total"
+    return profiler.key_averages().table(sort_by=sort_by, row_limit=rows)
+
+
+def bench_shape(shape: Shape, device: torch.device, dtype: torch.dtype, capacity_factor: float, warmup: int,
+                steps: int, profile: bool = False) -> dict:
+    """Median step time and TFLOP/s of every implementation on one shape, same inputs for all."""
+    torch.manual_seed(1)
+    x_TD = torch.randn(shape.tokens, shape.model_dim, device=device, dtype=dtype, requires_grad=True)
+    layer = build_layer(shape, device, dtype, capacity_factor, impl="kernel")
+    params = list(layer.parameters())
+    columns: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {"moetrain": layer}
+    if device.type == "cuda":
+        columns["moetrain_dropless"] = lambda x: layer(x, capacity_factor=0)
+        columns["grouped_mm"] = lambda x: grouped_mm_moe(layer, x)
+    else:
+        torch_layer = build_layer(shape, device, dtype, capacity_factor, impl="torch")
+        torch_layer.load_state_dict(layer.state_dict())
+        columns["moetrain_torch"] = torch_layer
+    columns["naive"] = lambda x: naive_moe(layer, x)
+    result = {"shape": asdict(shape), "capacity_factor": capacity_factor}
+    for name, fn in columns.items():
+        fn_params = list(torch_layer.parameters()) if name == "moetrain_torch" else params
+        ms = _time_steps(_forward_backward(fn, x_TD, fn_params), device, warmup, steps)
+        result[name] = {"ms": ms, "tflops": shape.useful_flops() / (ms * 1e-3) / 1e12}
+    with torch.no_grad():
+        layer(x_TD)  # the last call decides layer.stats: make it the moetrain column's
+    result["dropped_fraction"] = layer.stats.dropped_fraction
+    if profile:
+        print(f"--- {shape.name}: moetrain, 3 steps\n" + profile_table(_forward_backward(layer, x_TD, params), device))
+    return result
+
+
+# ---- reports
+
+
+def gpu_table(results: list[dict], ceiling: float) -> str:
+    head = (f"{'shape':<12} {'moetrain':>9} {'dropless':>9} {'naive':>7} {'grouped':>8}   {'of ceiling':>10} "
+            f"{'target':>6}   {'vs grouped':>10} {'target':>6}")
+    lines = [head, "-" * len(head)]
+    for r in results:
+        name = r["shape"]["name"]
+        fraction = r["moetrain"]["tflops"] / ceiling
+        ratio = r["moetrain"]["tflops"] / r["grouped_mm"]["tflops"]
+        target_fraction, target_ratio = TARGETS.get(name, (float("nan"), float("nan")))
+        lines.append(
+            f"{name:<12} {r['moetrain']['tflops']:9.0f} {r['moetrain_dropless']['tflops']:9.0f} "
+            f"{r['naive']['tflops']:7.0f} {r['grouped_mm']['tflops']:8.0f}   {fraction:10.0%} {target_fraction:6.0%}   "
+            f"{ratio:9.2f}x {target_ratio:5.2f}x"
+        )
+    lines.append(f"useful expert TFLOP/s, forward + backward; dense GEMM ceiling {ceiling:.0f} TFLOP/s")
+    return "\n".join(lines)
+
+
+def cpu_table(results: list[dict]) -> str:
+    head = f"{'shape':<12} {'kernel ms':>10} {'torch ms':>9} {'naive ms':>9}   {'torch/kernel':>12} {'naive/kernel':>12}"
+    lines = [head, "-" * len(head)]
+    for r in results:
+        kernel, torch_path, naive = r["moetrain"]["ms"], r["moetrain_torch"]["ms"], r["naive"]["ms"]
+        lines.append(f"{r['shape']['name']:<12} {kernel:10.1f} {torch_path:9.1f} {naive:9.1f}   "
+                     f"{torch_path / kernel:11.2f}x {naive / kernel:11.2f}x")
+    lines.append("median step time, forward + backward; ratios > 1 mean the kernel path is faster")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(prog="python -m moetrain.bench", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--shapes", default=None,
+                        help=f"comma-separated; GPU: {','.join(GPU_SHAPES)}; CPU: {','.join(CPU_SHAPES)} (default: all)")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="default bf16 on GPU, fp32 on CPU")
+    parser.add_argument("--capacity-factor", type=float, default=1.0, help="for the moetrain column (0: dropless)")
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=None, help="timed steps (default 20 on GPU, 10 on CPU)")
+    parser.add_argument("--json", default=None, metavar="PATH", help="also write the results as JSON")
+    parser.add_argument("--profile", action="store_true", help="print the kernels of the moetrain column's step")
+    args = parser.parse_args(argv)
+
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda but no CUDA GPU is visible; use --device cpu")
+    known = GPU_SHAPES if device.type == "cuda" else CPU_SHAPES
+    names = list(known) if args.shapes is None else [name.strip() for name in args.shapes.split(",") if name.strip()]
+    unknown = [name for name in names if name not in known]
+    if unknown:
+        parser.error(f"--shapes: unknown {unknown} for --device {device.type}; choose from {', '.join(known)}")
+    dtype = DTYPES[args.dtype or ("bf16" if device.type == "cuda" else "fp32")]
+    steps = args.steps or (20 if device.type == "cuda" else 10)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")  # shows the expert GEMM backend choice
+
+    report = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "dtype": str(dtype).replace("torch.", ""),
+        "steps": steps,
+        "results": [],
+    }
+    if device.type == "cuda":
+        report["dense_tflops"] = dense_ceiling(device, dtype)
+    for name in names:
+        result = bench_shape(known[name], device, dtype, args.capacity_factor, args.warmup, steps, args.profile)
+        report["results"].append(result)
+        print(f"{name}: " + ", ".join(f"{k} {v['ms']:.2f} ms" for k, v in result.items() if isinstance(v, dict)
+                                      and "ms" in v), flush=True)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    print(f"\n{report['device']}, torch {report['torch']}, {report['dtype']}, {report['date']}")
+    print(gpu_table(report["results"], report["dense_tflops"]) if device.type == "cuda" else cpu_table(report["results"]))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=2)
+    return report
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# Build, check and benchmark the CUDA kernels on one GPU in a single run, from a source checkout:
+#   bash notes/gpu_check.sh OUTDIR [arguments for python -m moetrain.bench]
+# Writes OUTDIR/env.txt, build.log, tests.log, bench.log, bench.json, memcheck.log.
+# Order: what matters most first, so a run cut short still leaves the benchmark.
+set -u
+out=${1:?usage: bash notes/gpu_check.sh OUTDIR [bench arguments]}
+shift
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+
+{
+  nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,clocks.mem --format=csv
+  python3 -c "import sys, torch; print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda)"
+  nvcc --version | tail -1
+  date -u
+} > "$out/env.txt" 2>&1
+cat "$out/env.txt"
+
+# pip install maps csrc/ to the package moetrain.csrc; a bare checkout gets the same through a link,
+# so the kernels are JIT-built for this machine's torch exactly as for an installed package.
+python3 -c "import moetrain.csrc" 2>/dev/null || ln -sfn ../csrc moetrain/csrc
+
+echo "== build (JIT)"
+start=$SECONDS
+timeout 300 python3 -c "from moetrain import ops; ops.load(); print('CUDA kernels:', ops.has_cuda_kernels())" \
+  > "$out/build.log" 2>&1
+echo "build rc=$? in $((SECONDS - start)) s"; tail -3 "$out/build.log"
+
+echo "== tests"
+timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_cuda_ops.py tests/test_cuda_grouped.py tests/test_bench.py \
+  > "$out/tests.log" 2>&1
+echo "tests rc=$?"; tail -4 "$out/tests.log"
+
+echo "== bench"
+timeout 240 python3 -m moetrain.bench --json "$out/bench.json" "$@" > "$out/bench.log" 2>&1
+echo "bench rc=$?"
+
+echo "== memcheck"
+# No caching allocator: each tensor is its own allocation, so an access past its end is caught.
+PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout 150 compute-sanitizer --tool memcheck --error-exitcode 9 \
+  python3 -m pytest -q -p no:cacheprovider tests/test_cuda_ops.py \
+  -k "one_hot or misaligned or empty or combine_backward_kernel or (forward_backward and (1000-bfloat16 or 7-float32)) or (route_matches_reference and 300)" \
+  > "$out/memcheck.log" 2>&1
+echo "memcheck rc=$?"; grep -E "ERROR SUMMARY|passed|failed" "$out/memcheck.log" | tail -3
+
+echo "== bench table"
+grep -v "^moetrain: expert GEMMs" "$out/bench.log" | tail -12

@@ -1,0 +1,54 @@
+"""The benchmark harness: its baselines compute the MoE layer's function, its FLOP count is the
+PERFORMANCE.md formula, and the CLI runs end to end on the CPU and writes its JSON."""
+
+import json
+
+import pytest
+import torch
+
+from moetrain import bench
+
+
+def test_useful_flops_is_the_documented_formula():
+    shape = bench.GPU_SHAPES["deepseek_fg"]
+    assert shape.useful_flops() == 8192 * 2048 * 1408 * 6 * 2 * 2 * 3
+
+
+@pytest.mark.parametrize("baseline", ["naive", "grouped_mm"])
+def test_baselines_compute_the_dropless_layer(baseline):
+    """Same parameters, same routing: the baselines must match MoELayer (dropless) in value and gradient."""
+    if baseline == "grouped_mm" and not hasattr(torch, "_grouped_mm"):
+        pytest.skip("this torch has no _grouped_mm")
+    shape = bench.Shape("tiny", tokens=67, model_dim=16, hidden_size=24, num_experts=5, top_k=2)
+    layer = bench.build_layer(shape, torch.device("cpu"), torch.float64 if baseline == "naive" else torch.float32,
+                              capacity_factor=0.0, impl="torch")
+    x = torch.randn(shape.tokens, shape.model_dim, dtype=layer.experts.w1.dtype, requires_grad=True)
+    fn = bench.naive_moe if baseline == "naive" else bench.grouped_mm_moe
+    y = fn(layer, x)
+    want = layer(x)
+    tol = 1e-10 if baseline == "naive" else 1e-5
+    assert torch.allclose(y, want, rtol=tol, atol=tol)
+    grads = torch.autograd.grad(y.square().sum(), [x, layer.experts.w1, layer.experts.b2])
+    want_grads = torch.autograd.grad(want.square().sum(), [x, layer.experts.w1, layer.experts.b2])
+    for got, expected in zip(grads, want_grads):
+        assert torch.allclose(got, expected, rtol=tol * 10, atol=tol * 10)
+
+
+def test_cli_runs_on_cpu_and_writes_json(tmp_path, monkeypatch, capsys):
+    tiny = bench.Shape("tiny", tokens=64, model_dim=16, hidden_size=32, num_experts=4, top_k=2)
+    monkeypatch.setitem(bench.CPU_SHAPES, "tiny", tiny)
+    out = tmp_path / "bench.json"
+    bench.main(["--device", "cpu", "--shapes", "tiny", "--steps", "2", "--warmup", "1", "--json", str(out)])
+    report = json.loads(out.read_text())
+    (result,) = report["results"]
+    assert result["shape"]["name"] == "tiny"
+    for column in ("moetrain", "moetrain_torch", "naive"):
+        assert result[column]["ms"] > 0
+        assert result[column]["tflops"] == pytest.approx(tiny.useful_flops() / (result[column]["ms"] * 1e-3) / 1e12)
+    assert "torch/kernel" in capsys.readouterr().out
+
+
+def test_cli_rejects_unknown_shape():
+    with pytest.raises(SystemExit) as error:
+        bench.main(["--device", "cpu", "--shapes", "mixtral"])
+    assert error.value.code == 2

@@ -1,0 +1,109 @@
+"""Expert GEMM backends (moetrain/ops/grouped.py) against a per-expert loop written out here.
+
+Runs on the CPU (bmm, loop, and torch._grouped_mm where this torch has a CPU kernel) and, with a
+GPU, on CUDA in bf16 (torch._grouped_mm on sm90+) and fp32.
+"""
+
+import logging
+
+import pytest
+import torch
+
+from moetrain.ops import grouped
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+def reference_matmul(x_RI, w_EIO, counts, capacity):
+    """Float64 per-expert products; rows outside every expert's block are zero."""
+    out = torch.zeros(x_RI.size(0), w_EIO.size(2), dtype=torch.float64, device=x_RI.device)
+    start = 0
+    for e, count in enumerate(counts):
+        if capacity is not None:
+            start = e * capacity
+        out[start:start + count] = x_RI[start:start + count].double() @ w_EIO[e].double()
+        start += count
+    return out
+
+
+def layout(counts, capacity, in_dim, dtype, device):
+    """A buffer as dispatch leaves it: real rows random, padding rows zero."""
+    rows = len(counts) * capacity if capacity is not None else sum(counts) + 5
+    x = torch.zeros(rows, in_dim, dtype=dtype, device=device)
+    start = 0
+    for e, count in enumerate(counts):
+        if capacity is not None:
+            start = e * capacity
+        x[start:start + count] = torch.randn(count, in_dim, dtype=dtype, device=device)
+        start += count
+    return x
+
+
+def cases(device):
+    yield "bmm", 6, torch.float32
+    yield "loop", None, torch.float32
+    yield "loop", 6, torch.float32
+    yield "auto", None, torch.float32
+    if device == "cuda":
+        yield "grouped_mm", None, torch.bfloat16
+        yield "grouped_mm", 6, torch.bfloat16
+        yield "auto", None, torch.bfloat16
+        yield "bmm", 6, torch.bfloat16
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_expert_matmul_matches_per_expert_loop(device):
+    counts = [3, 0, 6, 1, 0]  # empty experts and a full one
+    for backend, capacity, dtype in cases(device):
+        x = layout(counts, capacity, 16, dtype, device).requires_grad_()
+        w = torch.randn(len(counts), 16, 24, dtype=dtype, device=device, requires_grad=True)
+        counts_E = torch.tensor(counts, device=device)
+        y = grouped.expert_matmul(x, w, counts_E, capacity, backend=backend)
+        want = reference_matmul(x, w, counts, capacity)
+        tol = 1e-5 if dtype == torch.float32 else 2e-2
+        used = want.abs().sum(1) > 0
+        assert torch.allclose(y[used].double(), want[used], rtol=tol, atol=tol), (backend, capacity)
+        assert y.shape == want.shape and torch.isfinite(y).all(), (backend, capacity)
+
+        grad = torch.randn_like(y)
+        grad[~used] = 0  # outputs of padding rows are never read, so they get no gradient
+        y.backward(grad)
+        x_ref = x.detach().double().requires_grad_()
+        w_ref = w.detach().double().requires_grad_()
+        reference_matmul(x_ref, w_ref, counts, capacity).backward(grad.double())
+        assert torch.allclose(x.grad.double(), x_ref.grad, rtol=tol, atol=tol), (backend, capacity)
+        assert torch.allclose(w.grad.double(), w_ref.grad, rtol=tol, atol=tol * 4), (backend, capacity)
+
+
+def test_bad_backend_and_bmm_without_capacity_are_refused():
+    x, w = torch.randn(4, 8), torch.randn(2, 8, 8)
+    with pytest.raises(ValueError, match="backend must be one of"):
+        grouped.expert_matmul(x, w, torch.tensor([2, 2]), None, backend="cutlass")
+    with pytest.raises(ValueError, match="needs the padded layout"):
+        grouped.expert_matmul(x, w, torch.tensor([2, 2]), None, backend="bmm")
+    with pytest.raises(ValueError, match="backend must be one of"):
+        grouped.set_default_backend("fast")
+
+
+def test_default_backend_override_and_logged_choice(caplog):
+    x, w = torch.randn(6, 8), torch.randn(2, 8, 4)
+    counts = torch.tensor([2, 4])
+    want = torch.cat([x[:2] @ w[0], x[2:] @ w[1]])
+    grouped._logged.clear()
+    with caplog.at_level(logging.INFO, logger="moetrain"):
+        assert torch.allclose(grouped.expert_matmul(x, w, counts, None), want, atol=1e-6)
+    assert "expert GEMMs use loop" in caplog.text
+    try:
+        grouped.set_default_backend("loop")
+        assert torch.allclose(grouped.expert_matmul(x, w, counts, 3), torch.cat([x[:3] @ w[0], x[3:] @ w[1]]), atol=1e-6)
+    finally:
+        grouped.set_default_backend("auto")
+
+
+@pytest.mark.parametrize("capacity", [None, 4])
+def test_add_expert_bias(capacity):
+    counts = torch.tensor([3, 0, 4])
+    rows = 3 * 4 if capacity else 9
+    y, b = torch.randn(rows, 5), torch.randn(3, 5)
+    expert_of_row = (torch.arange(rows) // 4).clamp(max=2) if capacity else torch.tensor([0, 0, 0, 2, 2, 2, 2, 2, 2])
+    assert torch.allclose(grouped.add_expert_bias(y, b, counts, capacity), y + b[expert_of_row])
