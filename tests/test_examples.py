@@ -28,6 +28,7 @@ SMALL = {
     "07_shared_experts.py": {"tokens": 24},
     "08_expert_parallel.py": {"tokens": 32},
     "09_quantized_inference.py": {"tokens": 128, "model_dim": 64, "hidden_size": 64},
+    "10_tiny_language_model.py": {"steps": 40, "batch": 16},
 }
 
 RUNNER = textwrap.dedent(
@@ -170,3 +171,10 @@ def test_quantized_inference(outcomes):
     assert mixed["plan"][0].count("fp8") == 2  # a quarter of 8 experts
     assert sorted(r["hot_experts"]) == sorted(r["busiest_experts"])
     assert r["reload_max_diff"] == 0
+
+
+def test_tiny_language_model_learns_to_count(outcomes):
+    r = result_of(outcomes, "10_tiny_language_model.py")
+    assert r["last_loss"] < 0.3 * r["first_loss"]
+    assert r["generated_correct"] >= 0.75
+    assert 0 < r["active_params"] < r["total_params"]
