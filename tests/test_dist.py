@@ -147,28 +147,35 @@ def _batches(world, step):
             for rank in range(world)]
 
 
-def _run_training(results, tag, num_experts, r_schedule, zero, checkpoint_dir):
-    rank, world = dist.get_rank(), dist.get_world_size()
-    torch.manual_seed(0)
-    reference = TinyMoEModel(num_experts)
-    model = copy.deepcopy(reference)
-    torch.manual_seed(1 + rank)  # ranks must not depend on matching seeds: rank 0's weights win
-    for param in model.parameters():
-        param.data.add_(torch.randn_like(param) * rank)
+def _distributed_setup(num_experts, r_schedule, zero, trainer_clips):
+    torch.manual_seed(2 + dist.get_rank())  # a different init per rank: rank 0's weights must win
+    model = TinyMoEModel(num_experts)
     if r_schedule is not None:
         parallelize(model, adaptive_r=r_schedule[0])
-    ref_opt = torch.optim.AdamW(reference.parameters(), lr=0.01, eps=1e-6)
     optimizer = DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=0.01, eps=1e-6), model,
-                                     max_grad_norm=0.5, zero=zero)
-    # The broadcast fixed every shared weight; experts were broadcast when sharded (parallelize).
-    output_err = 0.0
+                                     max_grad_norm=None if trainer_clips else 0.5, zero=zero)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 0.8**step)
+    return model, optimizer, scheduler
+
+
+def _run_training(results, tag, num_experts, r_schedule, zero, checkpoint_dir, trainer_clips=False):
+    """STEPS steps against the reference; after step 2 the run restarts from its state dicts.
+    trainer_clips: clip through optimizer.clip_grad_norm_ (as the trainer does) instead of step()."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model, optimizer, scheduler = _distributed_setup(num_experts, r_schedule, zero, trainer_clips)
+    torch.manual_seed(2)
+    reference = TinyMoEModel(num_experts)  # rank 0's initial weights
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=0.01, eps=1e-6)
+    ref_scheduler = torch.optim.lr_scheduler.LambdaLR(ref_opt, lambda step: 0.8**step)
+    output_err = norm_err = 0.0
     for step in range(STEPS):
         batches = _batches(world, step)
         ref_opt.zero_grad()
         ref_runs = [_loss(reference, x, t) for x, t in batches]  # also sums every rank's router load
         (sum(loss for loss, _ in ref_runs) / world).backward()
-        torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.5)
+        ref_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.5)
         ref_opt.step()
+        ref_scheduler.step()
         update_router_biases(reference)
 
         if r_schedule is not None:
@@ -177,8 +184,18 @@ def _run_training(results, tag, num_experts, r_schedule, zero, checkpoint_dir):
         optimizer.zero_grad()
         loss, out = _loss(model, *batches[rank], **overlap)
         loss.backward()
+        if trainer_clips:
+            norm_err = max(norm_err, abs(optimizer.clip_grad_norm_(0.5).item() - ref_norm.item()))
         optimizer.step()
+        scheduler.step()
         output_err = max(output_err, (out - ref_runs[rank][1]).abs().max().item())
+        if step == 2:  # restart from the state dicts into fresh objects
+            states = model.state_dict(), optimizer.state_dict(), scheduler.state_dict()
+            model, optimizer, scheduler = _distributed_setup(num_experts, r_schedule, zero, trainer_clips)
+            model.load_state_dict(states[0])
+            optimizer.load_state_dict(states[1])
+            scheduler.load_state_dict(states[2])
+    results[f"{tag}:grad norm"] = norm_err
     results[f"{tag}:outputs"] = output_err
 
     # Compare the weights after STEPS steps: shared ones whole, experts by this rank's slice.
@@ -228,9 +245,10 @@ def _worker(rank, world, out_dir):
     results = {}
     _primitive_checks(results)
     if world == 2:
-        _run_training(results, "data parallel", 4, None, False, os.path.join(out_dir, "dp"))
+        _run_training(results, "data parallel", 4, None, True, os.path.join(out_dir, "dp"))
         # E >= W: experts sharded whole; r switches between expert parallel and data parallel.
-        _run_training(results, "adaptive E=4", 4, [1, 0, 1, 0, 1], False, os.path.join(out_dir, "ep"))
+        _run_training(results, "adaptive E=4", 4, [1, 0, 1, 0, 1], False, os.path.join(out_dir, "ep"),
+                      trainer_clips=True)
     else:
         # E < W: two replicas per expert; r switches through 0, 1 and 2 (hidden dim split in two).
         _run_training(results, "adaptive E=2", 2, [2, 1, 0, 2, 1], True, os.path.join(out_dir, "ep"))
@@ -264,7 +282,7 @@ def test_strategies_train_like_single_process(world):
     tags = ["data parallel", "adaptive E=4"] if size == 2 else ["adaptive E=2"]
     for rank_results in results:
         for tag in tags:
-            for what in ("outputs", "shared params", "expert params", "router bias"):
+            for what in ("outputs", "shared params", "expert params", "router bias", "grad norm"):
                 assert rank_results[f"{tag}:{what}"] < 1e-4, (tag, what, rank_results[f"{tag}:{what}"])
             assert rank_results[f"{tag}:shared identical"], tag
 

@@ -60,7 +60,13 @@ def _all_reduce_coalesced(tensors: list[torch.Tensor], group, scale: float, comm
             tensor.copy_(reduced)
 
 
-class DistributedOptimizer:
+class DistributedOptimizer(torch.optim.Optimizer):
+    """A torch Optimizer (LR schedulers accept it) whose step runs the wrapped one on reduced gradients.
+
+    Its param_groups hold every parameter and are what schedulers change; the wrapped optimizer's
+    groups (only the owned shared parameters under ZeRO-1) take their hyperparameters before each step.
+    """
+
     def __init__(self, optimizer: torch.optim.Optimizer, model: nn.Module, max_grad_norm: float | None = None,
                  zero: bool = False, group=None):
         if not dist.is_available() or not dist.is_initialized():
@@ -68,8 +74,12 @@ class DistributedOptimizer:
                                "(moetrain.parallel.init_distributed or torch.distributed.init_process_group)")
         if max_grad_norm is not None and not max_grad_norm > 0:
             raise ValueError(f"max_grad_norm must be > 0 or None, got {max_grad_norm!r}")
+        if any(optimizer.state.values()):
+            raise ValueError("wrap an optimizer that has not stepped yet (load its state through the wrapper)")
+        super().__init__([dict(param_group) for param_group in optimizer.param_groups], optimizer.defaults)
         self.optimizer, self.model, self.group = optimizer, model, group
         self.max_grad_norm = max_grad_norm
+        self._reduced = False
         self.world_size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
         self.ranks = dist.get_process_group_ranks(group or dist.group.WORLD)
@@ -126,22 +136,17 @@ class DistributedOptimizer:
             owner = min(range(self.world_size), key=lambda rank: (load[rank], rank))
             self.owner[param] = owner
             load[owner] += param.numel()
-        if any(self.optimizer.state.values()):
-            raise ValueError("zero=True must wrap an optimizer that has not stepped yet (its state would be lost)")
         for param_group in self.optimizer.param_groups:
             param_group["params"] = [param for param in param_group["params"]
                                      if self.owner.get(param, self.rank) == self.rank]
 
     # ------------------------------------------------------------------ the step
 
-    @property
-    def param_groups(self):
-        return self.optimizer.param_groups
-
     def _parameters(self) -> list[nn.Parameter]:
         return self.shared + [param for entry in self.expert_groups for param in entry.params]
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        self._reduced = False
         for param in self._parameters():
             if set_to_none:
                 param.grad = None
@@ -166,9 +171,22 @@ class DistributedOptimizer:
 
     @torch.no_grad()
     def reduce_gradients(self) -> None:
+        """Average the gradients as described at the top; once per step (step() calls it if needed)."""
+        if self._reduced:
+            return
         self._reduce(self.shared, self.group, 1.0 / self.world_size)
         for entry in self.expert_groups:
             self._reduce(entry.params, entry.replica_group, 1.0 / self.world_size, communicate=entry.replicas > 1)
+        self._reduced = True
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """Reduce, then scale every gradient so the global norm is at most max_norm (inf: only
+        measure it); returns the norm before clipping, the same on every rank."""
+        self.reduce_gradients()
+        total = self.global_grad_norm()
+        torch.nn.utils.clip_grads_with_norm_([param for param in self._parameters() if param.grad is not None],
+                                             max_norm, total)
+        return total
 
     @torch.no_grad()
     def global_grad_norm(self) -> torch.Tensor:
@@ -208,14 +226,14 @@ class DistributedOptimizer:
             raise ValueError("DistributedOptimizer.step does not take a closure: call backward() before step()")
         self.reduce_gradients()
         if self.max_grad_norm is not None:
-            self.last_grad_norm = self.global_grad_norm()
-            torch.nn.utils.clip_grads_with_norm_(
-                [param for param in self._parameters() if param.grad is not None], self.max_grad_norm,
-                self.last_grad_norm)
+            self.last_grad_norm = self.clip_grad_norm_(self.max_grad_norm)
+        for outer, inner in zip(self.param_groups, self.optimizer.param_groups):
+            inner.update({key: value for key, value in outer.items() if key != "params"})
         self.optimizer.step()
         if self.zero:
             self._broadcast_owned()
         self._sync_router_biases()
+        self._reduced = False
 
     # ------------------------------------------------------------------ checkpoints
 
@@ -224,10 +242,12 @@ class DistributedOptimizer:
         inner = self.optimizer.state_dict()
         order = [param for param_group in self.optimizer.param_groups for param in param_group["params"]]
         names = [self.names[param] for param in order]
+        # Hyperparameters from this wrapper's groups: schedulers change those between steps.
         return {
             "state": {names[index]: state for index, state in inner["state"].items()},
-            "param_groups": [{**group, "params": [names[index] for index in group["params"]]}
-                             for group in inner["param_groups"]],
+            "param_groups": [{**{key: value for key, value in outer.items() if key != "params"},
+                              "params": [names[index] for index in group["params"]]}
+                             for outer, group in zip(self.param_groups, inner["param_groups"])],
         }
 
     def load_state_dict(self, state_dict: dict) -> None:
@@ -246,3 +266,5 @@ class DistributedOptimizer:
             "param_groups": [{**saved, "params": [index[self.names[param]] for param in param_group["params"]]}
                              for param_group, saved in zip(self.optimizer.param_groups, groups)],
         })
+        for outer, saved in zip(self.param_groups, groups):
+            outer.update({key: value for key, value in saved.items() if key != "params"})
