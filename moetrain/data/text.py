@@ -48,7 +48,7 @@ class PackedSequences(Dataset):
 
     def __init__(self, tokens: np.ndarray | torch.Tensor, seq_len: int):
         self.tokens, self.seq_len = tokens, seq_len
-        self.count = (len(tokens) - 1) // seq_len
+        self.count = max((len(tokens) - 1) // seq_len, 0)
 
     def __len__(self) -> int:
         return self.count
@@ -133,7 +133,7 @@ def text(
     else:
         if not 0 < eval_fraction < 1:
             raise ValueError(f"data.eval_fraction must be in (0, 1) when data.eval_path is unset, got {eval_fraction}")
-        split = len(tokens) - max(int(len(tokens) * eval_fraction), seq_len + 1)
+        split = max(len(tokens) - max(int(len(tokens) * eval_fraction), seq_len + 1), 0)
         train_tokens, eval_tokens = tokens[:split], tokens[split:]
     train_set, eval_set = PackedSequences(train_tokens, seq_len), PackedSequences(eval_tokens, seq_len)
     if len(train_set) == 0 or len(eval_set) == 0:
