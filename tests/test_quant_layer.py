@@ -203,3 +203,18 @@ def test_cuda_kernels_match_the_emulation(name):
     reference = emulated_matmul(x, fmt, q, 512)
     y = quantized_matmul(x, fmt, q, 256, 512).float()
     assert (y - reference).norm() / reference.norm() < 1e-2
+
+
+def test_every_quant_config_builds_a_policy():
+    from pathlib import Path
+
+    from omegaconf import OmegaConf
+
+    configs = sorted((Path(__file__).parent.parent / "conf" / "quant").glob("*.yaml"))
+    assert {c.stem for c in configs} >= {"none", "fp8", "fp8_block", "mxfp4", "nvfp4", "mixed"}
+    for path in configs:
+        cfg = OmegaConf.to_container(OmegaConf.load(path))
+        assert set(cfg) == {"format", "hot_format", "hot_fraction", "calibration_batches", "export"}, path
+        if cfg["format"] is not None:
+            policy = QuantPolicy(cfg["format"], cfg["hot_format"], cfg["hot_fraction"])
+            assert policy.needs_calibration == (cfg["calibration_batches"] > 0), path
