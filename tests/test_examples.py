@@ -29,6 +29,7 @@ SMALL = {
     "08_distributed_training.py": {"steps": 15, "tokens": 32},
     "09_quantized_inference.py": {"tokens": 128, "model_dim": 64, "hidden_size": 64},
     "10_tiny_language_model.py": {"steps": 40, "batch": 16},
+    "11_benchmark.py": {"tokens": 256, "model_dim": 32, "hidden_size": 64, "warmup": 1, "steps": 2},
 }
 
 RUNNER = textwrap.dedent(
@@ -180,3 +181,14 @@ def test_tiny_language_model_learns_to_count(outcomes):
     assert r["last_loss"] < 0.3 * r["first_loss"]
     assert r["generated_correct"] >= 0.75
     assert 0 < r["active_params"] < r["total_params"]
+
+
+def test_benchmark_from_python(outcomes):
+    r = result_of(outcomes, "11_benchmark.py")
+    assert r["max_diff_vs_naive"] < 1e-4
+    assert r["useful_flops"] == 256 * 32 * 64 * 2 * 2 * 2 * 3
+    for cf in (0.0, 1.0):
+        assert {"moetrain@cf=%s" % cf, "naive@cf=%s" % cf} <= set(r["columns"])
+    for figures in r["columns"].values():  # every column reports a time and the figure derived from it
+        assert figures["ms"] > 0
+        assert figures["tflops"] == pytest.approx(r["useful_flops"] / (figures["ms"] * 1e-3) / 1e12)
