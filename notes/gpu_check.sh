@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Build, check and benchmark the CUDA kernels on one GPU in a single run, from a source checkout:
 #   bash notes/gpu_check.sh OUTDIR [arguments for python -m moetrain.bench]
-# Writes OUTDIR/env.txt, build.log, tests.log, bench.log, bench.json, memcheck.log.
+# Writes OUTDIR/env.txt, build.log, tests.log, bench.log, bench.json, memcheck.log, diagnose.log.
 # Order: what matters most first, so a run cut short still leaves the benchmark.
 set -u
 out=${1:?usage: bash notes/gpu_check.sh OUTDIR [bench arguments]}
@@ -43,6 +43,10 @@ PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout 150 compute-sanitizer --tool memcheck -
   -k "one_hot or misaligned or empty or combine_backward_kernel or (forward_backward and (1000-bfloat16 or 7-float32)) or (route_matches_reference and 300)" \
   > "$out/memcheck.log" 2>&1
 echo "memcheck rc=$?"; grep -E "ERROR SUMMARY|passed|failed" "$out/memcheck.log" | tail -3
+
+echo "== diagnostics (notes/diagnose.py)"
+timeout 200 python3 notes/diagnose.py > "$out/diagnose.log" 2>&1
+echo "diagnose rc=$?"; cat "$out/diagnose.log" | grep -v "^moetrain: expert GEMMs"
 
 echo "== bench table"
 grep -v "^moetrain: expert GEMMs" "$out/bench.log" | tail -12

@@ -23,13 +23,19 @@ def test_baselines_compute_the_dropless_layer(baseline):
     layer = bench.build_layer(shape, torch.device("cpu"), torch.float64 if baseline == "naive" else torch.float32,
                               capacity_factor=0.0, impl="torch")
     x = torch.randn(shape.tokens, shape.model_dim, dtype=layer.experts.w1.dtype, requires_grad=True)
-    fn = bench.naive_moe if baseline == "naive" else bench.grouped_mm_moe
-    y = fn(layer, x)
+    if baseline == "naive":
+        y, w1 = bench.naive_moe(layer, x), layer.experts.w1
+    else:
+        grouped_baseline = bench.GroupedMMBaseline(layer)
+        y, w1 = grouped_baseline(x), grouped_baseline.w1_EHD  # its own copy, stored transposed
     want = layer(x)
     tol = 1e-10 if baseline == "naive" else 1e-5
     assert torch.allclose(y, want, rtol=tol, atol=tol)
-    grads = torch.autograd.grad(y.square().sum(), [x, layer.experts.w1, layer.experts.b2])
-    want_grads = torch.autograd.grad(want.square().sum(), [x, layer.experts.w1, layer.experts.b2])
+    grads = torch.autograd.grad(y.square().sum(), [x, w1, layer.experts.b2, layer.gate.weight_ED])
+    want_grads = torch.autograd.grad(want.square().sum(), [x, layer.experts.w1, layer.experts.b2,
+                                                           layer.gate.weight_ED])
+    if baseline == "grouped_mm":
+        grads = (grads[0], grads[1].transpose(1, 2)) + grads[2:]
     for got, expected in zip(grads, want_grads):
         assert torch.allclose(got, expected, rtol=tol * 10, atol=tol * 10)
 
