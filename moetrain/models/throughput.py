@@ -1,0 +1,122 @@
+"""Training throughput of a language-model preset: tokens/s and model FLOPs utilisation (MFU).
+
+    python -m moetrain.models.throughput --preset moe_1b5 --batch-size 8 --seq-len 2048 --steps 20
+
+Each step is forward + backward + AdamW on random tokens (no data loading). The step time is the
+median over the timed steps after warm-up, measured with CUDA events on a GPU. MFU is
+tokens/s x flops_per_token(model, seq_len) / the device's dense bf16 peak (989 TFLOP/s on H100
+and H200 SXM), the convention of PaLM and of issue 6's target; it prints as null where the peak
+of the device is unknown (CPUs). The result is one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+from moetrain.models.lm import MoETransformerLM, flops_per_token, parameter_counts
+from moetrain.models.presets import PRESETS, build_lm
+from moetrain.moe import moe_layers, update_router_biases
+
+# Dense bf16 tensor-core peaks (no sparsity), from the vendors' data sheets, by device-name part.
+PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "B200": 2250e12}
+
+
+def peak_bf16_flops(device: torch.device | str) -> float | None:
+    device = torch.device(device)
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((peak for part, peak in PEAK_BF16_FLOPS.items() if part in name), None)
+
+
+def model_flops_utilization(tokens_per_second: float, model: MoETransformerLM, seq_len: int, device) -> float | None:
+    peak = peak_bf16_flops(device)
+    return None if peak is None else tokens_per_second * flops_per_token(model, seq_len) / peak
+
+
+def measure(model: MoETransformerLM, batch_size: int, seq_len: int, steps: int, warmup: int, lr: float = 1e-4) -> dict:
+    device = model.embed.weight.device
+    on_gpu = device.type == "cuda"
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, fused=on_gpu)
+    vocab_size = model.config.vocab_size
+    seconds = []
+    for step in range(warmup + steps):
+        tokens_BT = torch.randint(0, vocab_size, (batch_size, seq_len + 1), device=device)
+        if on_gpu:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+        else:
+            started = time.perf_counter()
+        logits_BTV = model(tokens_BT[:, :-1])
+        loss = F.cross_entropy(logits_BTV.flatten(0, 1).float(), tokens_BT[:, 1:].flatten())
+        loss = loss + sum(layer.aux_loss for layer in moe_layers(model))
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        update_router_biases(model)
+        if on_gpu:
+            end.record()
+            end.synchronize()
+            elapsed = start.elapsed_time(end) / 1e3
+        else:
+            elapsed = time.perf_counter() - started
+        if step >= warmup:
+            seconds.append(elapsed)
+    step_seconds = statistics.median(seconds)
+    tokens_per_second = batch_size * seq_len / step_seconds
+    total, active = parameter_counts(model)
+    return {
+        "total_params": total,
+        "active_params": active,
+        "batch_size": batch_size,
+        "seq_len": seq_len,
+        "step_ms": step_seconds * 1e3,
+        "tokens_per_s": tokens_per_second,
+        "model_tflops_per_token": flops_per_token(model, seq_len) / 1e12,
+        "achieved_tflops": tokens_per_second * flops_per_token(model, seq_len) / 1e12,
+        "mfu": model_flops_utilization(tokens_per_second, model, seq_len, device),
+        "loss": loss.item(),
+    }
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--preset", default="moe_1b5", choices=sorted(PRESETS))
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--seq-len", type=int, default=2048)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
+                        help="weights and activations; routers stay float32")
+    parser.add_argument("--impl", default="kernel", choices=["kernel", "torch"], help="MoE dispatch path")
+    parser.add_argument("--compile", action="store_true", help="torch.compile each transformer block")
+    args = parser.parse_args(argv)
+
+    moe_kwargs = {**PRESETS[args.preset].moe_kwargs, "impl": args.impl}
+    with torch.device(args.device):
+        model = build_lm(args.preset, max_seq_len=args.seq_len, moe_kwargs=moe_kwargs)
+    model.to(getattr(torch, args.dtype))
+    for layer in moe_layers(model):
+        layer.gate.float()
+    model.reset_rotary()
+    if args.compile:
+        for block in model.blocks:
+            block.compile()
+    result = {"preset": args.preset, "device": str(args.device), "dtype": args.dtype, "impl": args.impl,
+              "compile": args.compile, **measure(model, args.batch_size, args.seq_len, args.steps, args.warmup)}
+    if result["device"].startswith("cuda"):
+        result["device_name"] = torch.cuda.get_device_name()
+        result["max_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
+    print(json.dumps(result))
+    return result
+
+
+if __name__ == "__main__":
+    main()
