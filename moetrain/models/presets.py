@@ -4,7 +4,7 @@
     model = build_lm("qwen3_moe_tiny")                         # trains on a laptop
     with torch.device("meta"):
         model = build_lm("deepseek_v3")                        # 671B parameters, no memory used
-    python -m moetrain.models.presets                          # table of total / active parameters
+    python -m moetrain.models                                  # table of total / active parameters
 
 Full-size presets follow the published configs (HF config.json / papers). Differences, stated
 once here and in docs/models.md:
@@ -18,7 +18,7 @@ once here and in docs/models.md:
 
 from __future__ import annotations
 
-from moetrain.models.lm import LMConfig, MoETransformerLM, parameter_counts
+from moetrain.models.lm import LMConfig, MoETransformerLM
 
 # DeepSeek-V3 and Kimi-K2 extend their 4K pre-training context with YaRN.
 _DEEPSEEK_V3_YARN = {
@@ -125,16 +125,3 @@ def build_lm(preset: str | None = None, **overrides) -> MoETransformerLM:
         raise ValueError(f"unknown LM setting(s) {unknown}; allowed: {sorted(LMConfig.__dataclass_fields__)}")
     return MoETransformerLM(PRESETS[preset].replace(**overrides))
 
-
-def _print_table() -> None:
-    import torch
-
-    print(f"{'preset':<20} {'total':>10} {'active':>10}")
-    for name in PRESETS:
-        with torch.device("meta"):
-            total, active = parameter_counts(build_lm(name))
-        print(f"{name:<20} {total / 1e9:>9.3f}B {active / 1e9:>9.3f}B")
-
-
-if __name__ == "__main__":
-    _print_table()
