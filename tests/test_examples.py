@@ -30,6 +30,7 @@ SMALL = {
     "09_quantized_inference.py": {"tokens": 128, "model_dim": 64, "hidden_size": 64},
     "10_tiny_language_model.py": {"steps": 40, "batch": 16},
     "11_benchmark.py": {"tokens": 256, "model_dim": 32, "hidden_size": 64, "warmup": 1, "steps": 2},
+    "12_cli_checkpoint_inference.py": {"steps": 20},
 }
 
 RUNNER = textwrap.dedent(
@@ -192,3 +193,11 @@ def test_benchmark_from_python(outcomes):
     for figures in r["columns"].values():  # every column reports a time and the figure derived from it
         assert figures["ms"] > 0
         assert figures["tflops"] == pytest.approx(r["useful_flops"] / (figures["ms"] * 1e-3) / 1e12)
+
+
+def test_cli_checkpoint_inference(outcomes):
+    r = result_of(outcomes, "12_cli_checkpoint_inference.py")
+    assert r["step"] == 20
+    # Plain-Python inference reproduces the command's own final evaluation, well above chance.
+    assert r["accuracy"] == pytest.approx(r["reported_accuracy"], abs=1e-9)
+    assert r["accuracy"] > 3 / r["num_classes"]
