@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import statistics
 import time
 
@@ -119,4 +120,5 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
+    logging.basicConfig(level=logging.INFO, format="%(message)s")  # shows the expert GEMM backend chosen
     main()
