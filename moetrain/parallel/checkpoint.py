@@ -95,8 +95,11 @@ def consolidate(shards: list[dict]) -> dict:
         full["model"][key] = value
 
     if "optimizer" in shards[0]:
+        # Without expert parallelism expert weights are replicated like shared ones (and under
+        # ZeRO-1 their state lives on one owner), so only sharded experts are gathered here.
+        sharded = experts if meta["expert_parallel"] else {}
         state = {}
-        for key in experts:
+        for key in sharded:
             parts, rows = holders(key)
             if key not in parts[0]["optimizer"]["state"]:
                 continue
@@ -107,7 +110,7 @@ def consolidate(shards: list[dict]) -> dict:
             state[key] = entry
         for shard in shards:  # shared state: wherever it lives (ZeRO-1 keeps it on its owner)
             for key, entry in shard["optimizer"]["state"].items():
-                if key not in experts:
+                if key not in sharded:
                     state.setdefault(key, entry)
         groups = copy.deepcopy(shards[0]["optimizer"]["param_groups"])
         for index, group in enumerate(groups):
