@@ -97,8 +97,9 @@ def naive_moe(layer: MoELayer, x_TD: torch.Tensor) -> torch.Tensor:
 class GroupedMMBaseline:
     """torch's recipe as torchtitan writes it: sort the choices by expert, two torch._grouped_mm,
     weighted index_add back. Its weights are the layer's values stored [E, out, in] (both GEMM
-    operands K-major, the layout torch's grouped GEMM is tuned for) and its expert counts need no
-    host sync, so the baseline is the best this recipe does."""
+    operands K-major, torchtitan's layout), its expert counts need no host sync, and each row's
+    bias is one_hot @ b so that the bias gradient is a GEMM (a gather's gradient is an index_put
+    that would dominate the step): the baseline is the best this recipe does."""
 
     def __init__(self, layer: MoELayer):
         experts = layer.experts
@@ -121,8 +122,9 @@ class GroupedMMBaseline:
         counts_E.scatter_add_(0, expert_N, torch.ones_like(expert_N))
         offsets_E = torch.cumsum(counts_E, 0, dtype=torch.int32)
         h_NH = torch._grouped_mm(x_TD[token_N], self.w1_EHD.transpose(1, 2), offs=offsets_E)
-        h_NH = F.relu(h_NH + experts.b1[sorted_expert_N])
-        out_ND = torch._grouped_mm(h_NH, self.w2_EDH.transpose(1, 2), offs=offsets_E) + experts.b2[sorted_expert_N]
+        one_hot_NE = F.one_hot(sorted_expert_N, layer.num_experts).to(x_TD.dtype)
+        h_NH = F.relu(h_NH + one_hot_NE @ experts.b1)
+        out_ND = torch._grouped_mm(h_NH, self.w2_EDH.transpose(1, 2), offs=offsets_E) + one_hot_NE @ experts.b2
         out_ND = out_ND * weight_TK.reshape(-1)[order_N, None].to(out_ND.dtype)
         return torch.zeros_like(x_TD).index_add(0, token_N, out_ND)
 

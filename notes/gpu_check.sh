@@ -2,10 +2,13 @@
 # Build, check and benchmark the CUDA kernels on one GPU in a single run, from a source checkout:
 #   bash notes/gpu_check.sh OUTDIR [arguments for python -m moetrain.bench]
 # Writes OUTDIR/env.txt, build.log, tests.log, bench.log, bench.json, memcheck.log, diagnose.log.
+# STEPS (default: all) picks a subset, e.g. STEPS="tests bench" bash notes/gpu_check.sh out.
 # Order: what matters most first, so a run cut short still leaves the benchmark.
 set -u
 out=${1:?usage: bash notes/gpu_check.sh OUTDIR [bench arguments]}
 shift
+steps=" ${STEPS:-tests bench memcheck diagnose} "
+want() { [[ "$steps" == *" $1 "* ]]; }
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 
@@ -27,26 +30,36 @@ timeout 300 python3 -c "from moetrain import ops; ops.load(); print('CUDA kernel
   > "$out/build.log" 2>&1
 echo "build rc=$? in $((SECONDS - start)) s"; tail -3 "$out/build.log"
 
-echo "== tests"
-timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_cuda_ops.py tests/test_cuda_grouped.py tests/test_bench.py \
-  > "$out/tests.log" 2>&1
-echo "tests rc=$?"; tail -4 "$out/tests.log"
+if want tests; then
+  echo "== tests"
+  timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_cuda_ops.py tests/test_cuda_grouped.py \
+    tests/test_bench.py > "$out/tests.log" 2>&1
+  echo "tests rc=$?"; tail -4 "$out/tests.log"
+fi
 
-echo "== bench"
-timeout 240 python3 -m moetrain.bench --json "$out/bench.json" "$@" > "$out/bench.log" 2>&1
-echo "bench rc=$?"
+if want bench; then
+  echo "== bench"
+  timeout 240 python3 -m moetrain.bench --json "$out/bench.json" "$@" > "$out/bench.log" 2>&1
+  echo "bench rc=$?"
+fi
 
-echo "== memcheck"
-# No caching allocator: each tensor is its own allocation, so an access past its end is caught.
-PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout 150 compute-sanitizer --tool memcheck --error-exitcode 9 \
-  python3 -m pytest -q -p no:cacheprovider tests/test_cuda_ops.py \
-  -k "one_hot or misaligned or empty or combine_backward_kernel or (forward_backward and (1000-bfloat16 or 7-float32)) or (route_matches_reference and 300)" \
-  > "$out/memcheck.log" 2>&1
-echo "memcheck rc=$?"; grep -E "ERROR SUMMARY|passed|failed" "$out/memcheck.log" | tail -3
+if want memcheck; then
+  echo "== memcheck"
+  # No caching allocator: each tensor is its own allocation, so an access past its end is caught.
+  PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout 150 compute-sanitizer --tool memcheck --error-exitcode 9 \
+    python3 -m pytest -q -p no:cacheprovider tests/test_cuda_ops.py \
+    -k "one_hot or misaligned or empty or combine_backward_kernel or (forward_backward and (1000-bfloat16 or 7-float32)) or (route_matches_reference and 300)" \
+    > "$out/memcheck.log" 2>&1
+  echo "memcheck rc=$?"; grep -E "ERROR SUMMARY|passed|failed" "$out/memcheck.log" | tail -3
+fi
 
-echo "== diagnostics (notes/diagnose.py)"
-timeout 200 python3 notes/diagnose.py > "$out/diagnose.log" 2>&1
-echo "diagnose rc=$?"; cat "$out/diagnose.log" | grep -v "^moetrain: expert GEMMs"
+if want diagnose; then
+  echo "== diagnostics (notes/diagnose.py)"
+  timeout 200 python3 notes/diagnose.py > "$out/diagnose.log" 2>&1
+  echo "diagnose rc=$?"; grep -v "^moetrain: " "$out/diagnose.log"
+fi
 
-echo "== bench table"
-grep -v "^moetrain: expert GEMMs" "$out/bench.log" | tail -12
+if want bench; then
+  echo "== bench table"
+  grep -v "^moetrain: " "$out/bench.log" | tail -9
+fi

@@ -100,10 +100,26 @@ def test_default_backend_override_and_logged_choice(caplog):
         grouped.set_default_backend("auto")
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("capacity", [None, 4])
-def test_add_expert_bias(capacity):
-    counts = torch.tensor([3, 0, 4])
-    rows = 3 * 4 if capacity else 9
-    y, b = torch.randn(rows, 5), torch.randn(3, 5)
-    expert_of_row = (torch.arange(rows) // 4).clamp(max=2) if capacity else torch.tensor([0, 0, 0, 2, 2, 2, 2, 2, 2])
-    assert torch.allclose(grouped.add_expert_bias(y, b, counts, capacity), y + b[expert_of_row])
+def test_expert_bias_value_and_gradient(device, dtype, capacity):
+    counts = torch.tensor([3, 0, 4], device=device)
+    rows = 3 * 4 if capacity else 9  # packed: 7 real rows and 2 padding rows
+    expert_of_row = torch.arange(rows) // 4 if capacity else torch.tensor([0, 0, 0, 2, 2, 2, 2, -1, -1])
+    real = torch.tensor([r % 4 < [3, 0, 4][r // 4] for r in range(rows)]) if capacity else expert_of_row >= 0
+    y = torch.randn(rows, 5, device=device, dtype=dtype)
+    b = torch.randn(3, 5, device=device, dtype=dtype)
+    grad = torch.randn(rows, 5, device=device, dtype=dtype) * real.to(device).unsqueeze(1)  # padding rows unread
+    want_b_grad = torch.zeros(3, 5, dtype=torch.float64)
+    want_b_grad.index_add_(0, expert_of_row[real], grad[real.to(device)].double().cpu())
+    for fn in (lambda y, b: y + grouped.expert_bias(b, counts, capacity, rows),
+               lambda y, b: grouped.add_expert_bias(y, b, counts, capacity)):
+        b_in = b.clone().requires_grad_()
+        out = fn(y, b_in)
+        assert out.dtype == dtype and out.shape == y.shape
+        want = y[real.to(device)].double() + b.double()[expert_of_row[real].to(device)]
+        tol = 1e-2 if dtype == torch.bfloat16 else 1e-6
+        assert torch.allclose(out[real.to(device)].double(), want, rtol=tol, atol=tol)
+        out.backward(grad)
+        assert torch.allclose(b_in.grad.double().cpu(), want_b_grad, rtol=3 * tol, atol=3 * tol)

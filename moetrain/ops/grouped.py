@@ -106,9 +106,32 @@ def expert_matmul(
     return torch.cat([x @ w for x, w in zip(torch.split(x_RI, counts), w_EIO)])
 
 
+def _expert_one_hot(num_experts: int, counts_E: torch.Tensor, capacity: int | None, num_rows: int,
+                    dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """[R, E] with a 1 at each row's expert; padding rows of the packed layout are all zero."""
+    rows_R = torch.arange(num_rows, device=device)
+    if capacity is not None:
+        expert_R = rows_R // capacity
+    else:
+        expert_R = torch.searchsorted(torch.cumsum(counts_E.to(device), 0), rows_R, right=True)
+    return (expert_R.unsqueeze(1) == torch.arange(num_experts, device=device)).to(dtype)
+
+
+def _bias_by_matmul(dtype: torch.dtype) -> bool:
+    # one_hot @ b copies b exactly only when the product cannot round it: 16-bit b with fp32
+    # accumulation. An fp32 matmul may run in TF32 (torch.backends.cuda.matmul.allow_tf32).
+    return dtype in (torch.bfloat16, torch.float16)
+
+
 def expert_bias(b_EO: torch.Tensor, counts_E: torch.Tensor, capacity: int | None, num_rows: int) -> torch.Tensor:
-    """The bias of each row's expert -> [R, O] (padding rows get the last expert's, never read)."""
+    """The bias of each row's expert -> [R, O] (padding rows are never read).
+
+    For 16-bit biases this is one_hot_RE @ b_EO: a GEMM writes the rows at full bandwidth and the
+    bias gradient is a GEMM too, where a gather's gradient would be an index_put with every row of
+    an expert accumulating into the same bias row."""
     num_experts = b_EO.size(0)
+    if _bias_by_matmul(b_EO.dtype):
+        return _expert_one_hot(num_experts, counts_E, capacity, num_rows, b_EO.dtype, b_EO.device) @ b_EO
     if capacity is not None:
         return b_EO.repeat_interleave(capacity, dim=0)
     ends_E = torch.cumsum(counts_E, 0)
@@ -117,9 +140,14 @@ def expert_bias(b_EO: torch.Tensor, counts_E: torch.Tensor, capacity: int | None
 
 
 def add_expert_bias(y_RO: torch.Tensor, b_EO: torch.Tensor, counts_E: torch.Tensor, capacity: int | None) -> torch.Tensor:
-    """y + the bias of each row's expert. In the padded layout the bias broadcasts over each
-    expert's block, so no [R, O] bias tensor is written and read again."""
+    """y + the bias of each row's expert, without writing an [R, O] bias tensor first: in the
+    padded layout the bias broadcasts over each expert's block; in the packed layout (16-bit)
+    addmm adds one_hot_RE @ b_EO to y in the GEMM's epilogue."""
+    num_experts, out_dim = b_EO.shape
+    b_EO = b_EO.to(y_RO.dtype)
     if capacity is not None:
-        num_experts, out_dim = b_EO.shape
-        return (y_RO.view(num_experts, capacity, out_dim) + b_EO.to(y_RO.dtype).unsqueeze(1)).view_as(y_RO)
-    return y_RO + expert_bias(b_EO, counts_E, capacity, y_RO.size(0)).to(y_RO.dtype)
+        return (y_RO.view(num_experts, capacity, out_dim) + b_EO.unsqueeze(1)).view_as(y_RO)
+    if _bias_by_matmul(y_RO.dtype):
+        one_hot_RE = _expert_one_hot(num_experts, counts_E, None, y_RO.size(0), y_RO.dtype, y_RO.device)
+        return torch.addmm(y_RO, one_hot_RE, b_EO)
+    return y_RO + expert_bias(b_EO, counts_E, None, y_RO.size(0))
