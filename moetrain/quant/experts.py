@@ -27,7 +27,7 @@ WEIGHT_NAMES = {FFNExperts: ("w1", "w2"), SwiGLUExperts: ("w_gate", "w_up", "w_d
 class FormatStack(nn.Module):
     """One weight of the G experts that use one format: the format's tensors stacked on dim 0."""
 
-    def __init__(self, fmt: WeightFormat, experts: list[int], n: int, k: int):
+    def __init__(self, fmt: WeightFormat, experts: list[int], n: int, k: int, device=None):
         super().__init__()
         self.format = fmt
         self.experts = list(experts)
@@ -35,7 +35,7 @@ class FormatStack(nn.Module):
         # Allocate from one zero matrix's quantized layout; quantize() or load_state_dict() fills it.
         layout = fmt.quantize(torch.zeros(n, k))
         for name, tensor in layout.items():
-            self.register_buffer(name, tensor.new_empty((len(experts),) + tuple(tensor.shape)))
+            self.register_buffer(name, tensor.new_empty((len(experts),) + tuple(tensor.shape), device=device))
 
     @torch.no_grad()
     def quantize(self, w_GNK: torch.Tensor) -> None:
@@ -54,13 +54,13 @@ class FormatStack(nn.Module):
 class QuantizedWeight(nn.Module):
     """The same weight (w1, w_up, ...) of every expert, each expert in the format it was given."""
 
-    def __init__(self, formats: list[str], n: int, k: int):
+    def __init__(self, formats: list[str], n: int, k: int, device=None):
         super().__init__()
         self.n, self.k = n, k
         by_format: dict[str, list[int]] = {}
         for expert, name in enumerate(formats):
             by_format.setdefault(get_format(name).name, []).append(expert)
-        self.stacks = nn.ModuleDict({name: FormatStack(get_format(name), experts, n, k) for name, experts in by_format.items()})
+        self.stacks = nn.ModuleDict({name: FormatStack(get_format(name), experts, n, k, device) for name, experts in by_format.items()})
 
     def quantize(self, w_EKN: torch.Tensor) -> None:
         """w_EKN: the float experts' weight as they multiply it (x @ w[e])."""
@@ -83,7 +83,7 @@ class QuantizedExperts(Experts):
     """
 
     def __init__(self, kind: type[Experts], num_experts: int, model_dim: int, hidden_size: int,
-                 formats: list[str], act, bias_dtype: torch.dtype = torch.float32):
+                 formats: list[str], act, bias_dtype: torch.dtype = torch.float32, device=None):
         super().__init__(num_experts, model_dim, hidden_size)
         if len(formats) != num_experts:
             raise ValueError(f"formats must name one format per expert ({num_experts}), got {len(formats)}")
@@ -94,10 +94,10 @@ class QuantizedExperts(Experts):
         self.act = act
         d, h = model_dim, hidden_size
         shapes = {"w1": (h, d), "w2": (d, h), "w_gate": (h, d), "w_up": (h, d), "w_down": (d, h)}  # (N, K)
-        self.weights = nn.ModuleDict({name: QuantizedWeight(formats, *shapes[name]) for name in WEIGHT_NAMES[kind]})
+        self.weights = nn.ModuleDict({name: QuantizedWeight(formats, *shapes[name], device) for name in WEIGHT_NAMES[kind]})
         if kind is FFNExperts:
-            self.register_buffer("b1", torch.zeros(num_experts, h, dtype=bias_dtype))
-            self.register_buffer("b2", torch.zeros(num_experts, d, dtype=bias_dtype))
+            self.register_buffer("b1", torch.zeros(num_experts, h, dtype=bias_dtype, device=device))
+            self.register_buffer("b2", torch.zeros(num_experts, d, dtype=bias_dtype, device=device))
 
     @classmethod
     @torch.no_grad()
@@ -109,13 +109,13 @@ class QuantizedExperts(Experts):
             )
         first = getattr(experts, WEIGHT_NAMES[kind][0])
         quantized = cls(kind, experts.num_experts, experts.model_dim, experts.hidden_size, formats, experts.act,
-                        bias_dtype=first.dtype)
+                        bias_dtype=first.dtype, device=first.device)
         for name, weight in quantized.weights.items():
             weight.quantize(getattr(experts, name).detach())
         if kind is FFNExperts:
             quantized.b1.copy_(experts.b1)
             quantized.b2.copy_(experts.b2)
-        return quantized.to(first.device)
+        return quantized
 
     def forward(self, x_RD: torch.Tensor, counts_E: torch.Tensor, capacity: int | None) -> torch.Tensor:
         if capacity is None:

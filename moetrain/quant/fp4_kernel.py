@@ -75,7 +75,10 @@ if triton is not None:
         count = tl.load(count_ptr + g)
         if pid_r * BLOCK_R >= count:
             return
-        start = tl.load(start_ptr + g)
+        # 64-bit offsets: rows * stride and expert * stride pass 2^31 on large layers.
+        start = tl.load(start_ptr + g).to(tl.int64)
+        w_ptr += g.to(tl.int64) * stride_wg
+        scale_ptr += g.to(tl.int64) * stride_sg
         rows = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
         cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         row_ok = rows < count
@@ -88,11 +91,11 @@ if triton is not None:
             # Stored K is padded with zero codes to whole scale blocks, so reading past K is safe
             # up to the padded width; the activation mask above zeroes those products anyway.
             byte_cols = k0 // 2 + tl.arange(0, BLOCK_K // 2)
-            packed = tl.load(w_ptr + g * stride_wg + cols[:, None] * stride_wn + byte_cols[None, :],
+            packed = tl.load(w_ptr + cols[:, None] * stride_wn + byte_cols[None, :],
                              mask=col_ok[:, None] & (byte_cols[None, :] < (K + 1) // 2), other=0).to(tl.int32)
             w = tl.join(_decode_e2m1(packed & 15), _decode_e2m1(packed >> 4)).reshape(BLOCK_N, BLOCK_K)
             blocks = k0 // GROUP + tl.arange(0, BLOCK_K // GROUP)
-            scale_code = tl.load(scale_ptr + g * stride_sg + cols[:, None] * stride_sn + blocks[None, :],
+            scale_code = tl.load(scale_ptr + cols[:, None] * stride_sn + blocks[None, :],
                                  mask=col_ok[:, None] & (blocks[None, :] < (K + GROUP - 1) // GROUP), other=0)
             scale = _decode_scale(scale_code.to(tl.int32), NVFP4)
             w = (w.reshape(BLOCK_N, BLOCK_K // GROUP, GROUP) * scale[:, :, None]).reshape(BLOCK_N, BLOCK_K)

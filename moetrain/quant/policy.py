@@ -102,4 +102,4 @@ def apply_plan(model: nn.Module, plan: list[list[str]]) -> None:
         experts = layer.experts
         weight = next(experts.parameters())
         layer.experts = QuantizedExperts(type(experts), experts.num_experts, experts.model_dim, experts.hidden_size,
-                                         formats, experts.act, bias_dtype=weight.dtype).to(weight.device)
+                                         formats, experts.act, bias_dtype=weight.dtype, device=weight.device)
