@@ -35,7 +35,8 @@ from moetrain.parallel.launch import choose_backend, spawn
 from moetrain.parallel.optimizer import DistributedOptimizer
 
 STEPS = 5
-DEVICE = torch.device("cpu")  # this worker's device, set once in worker()
+DEVICE = torch.device("cpu")  # this worker's device and the MoE layers' dispatch impl, set in worker()
+IMPL = "kernel"
 # fp32 on every device; matmuls on GPUs run in full fp32 (torch's default, no TF32).
 LIMITS = {"primitive": 1e-5, "training": 1e-4}
 
@@ -134,11 +135,12 @@ class TinyMoEModel(nn.Module):
     def __init__(self, num_experts: int, dim: int = 8):
         super().__init__()
         self.embed = nn.Linear(6, dim)
-        self.moe1 = MoELayer(dim, num_experts, hidden_size=12, top_k=min(2, num_experts), capacity_factor=1.0)
+        self.moe1 = MoELayer(dim, num_experts, hidden_size=12, top_k=min(2, num_experts), capacity_factor=1.0,
+                             impl=IMPL)
         self.norm = nn.LayerNorm(dim)
         self.moe2 = MoELayer(dim, num_experts, hidden_size=8, top_k=1, gate="sigmoid", expert="swiglu",
                              capacity_factor=0.0, num_shared_experts=1,
-                             gate_kwargs={"bias_update_rate": 0.05})
+                             gate_kwargs={"bias_update_rate": 0.05}, impl=IMPL)
         self.head = nn.Linear(dim, 3)
 
     def forward(self, x, **kwargs):
@@ -267,9 +269,10 @@ RUNS = {
 }
 
 
-def worker(rank: int, world: int, out_dir: str, runs: tuple = tuple(RUNS)) -> None:
+def worker(rank: int, world: int, out_dir: str, runs: tuple = tuple(RUNS), impl: str = "kernel") -> None:
     """Run the checks on this rank; write results{rank}.pt and one checkpoint directory per run."""
-    global DEVICE
+    global DEVICE, IMPL
+    IMPL = impl
     DEVICE = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
     results = {}
     _primitive_checks(results)
@@ -298,12 +301,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m moetrain.parallel.check", description=__doc__.splitlines()[0])
     parser.add_argument("--nproc", type=int, default=2, help="processes to start (one per GPU with NCCL)")
     parser.add_argument("--backend", choices=("nccl", "gloo"), default=None, help="default: NCCL with GPUs, else Gloo")
+    parser.add_argument("--impl", choices=("kernel", "torch"), default="kernel", help="the MoE layers' dispatch/combine")
     args = parser.parse_args(argv)
     if args.nproc < 2 or args.nproc % 2:
         parser.error(f"--nproc must be an even number >= 2, got {args.nproc}")
     backend = choose_backend(args.backend)
     with tempfile.TemporaryDirectory() as out_dir:
-        spawn(worker, args.nproc, args=(out_dir,), backend=backend)
+        spawn(worker, args.nproc, args=(out_dir, tuple(RUNS), args.impl), backend=backend)
         per_rank = [torch.load(os.path.join(out_dir, f"results{rank}.pt"), weights_only=False)
                     for rank in range(args.nproc)]
     worst = {name: max(results[name] for results in per_rank) for name in per_rank[0] if name != "errors"}
