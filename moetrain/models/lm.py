@@ -81,10 +81,6 @@ class LMConfig:
     def replace(self, **overrides) -> LMConfig:
         return dataclasses.replace(self, **overrides)
 
-    @property
-    def top_k(self) -> int:
-        return self.moe_kwargs.get("top_k", 2)  # MoELayer's default
-
 
 class MoETransformerLM(nn.Module):
     def __init__(self, config: LMConfig):
