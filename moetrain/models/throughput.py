@@ -41,6 +41,18 @@ def model_flops_utilization(tokens_per_second: float, model: MoETransformerLM, s
     return None if peak is None else tokens_per_second * flops_per_token(model, seq_len) / peak
 
 
+def training_throughput(model, sequences_per_second: float, seq_len: int, device, world_size: int = 1) -> dict:
+    """What a trainer logs for a language model: tokens_per_sec (all ranks together) and, when the
+    model's FLOPs and the device's peak are known, mfu (per device)."""
+    tokens_per_second = sequences_per_second * seq_len
+    metrics = {"tokens_per_sec": tokens_per_second}
+    if isinstance(model, MoETransformerLM):
+        mfu = model_flops_utilization(tokens_per_second / world_size, model, seq_len, device)
+        if mfu is not None:
+            metrics["mfu"] = mfu
+    return metrics
+
+
 def measure(model: MoETransformerLM, batch_size: int, seq_len: int, steps: int, warmup: int, lr: float = 1e-4) -> dict:
     device = model.embed.weight.device
     on_gpu = device.type == "cuda"
