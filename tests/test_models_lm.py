@@ -155,9 +155,9 @@ def test_throughput_metrics(monkeypatch):
 
     model = build_lm("qwen3_moe_tiny", max_seq_len=32)
     assert throughput.training_throughput(model, 10.0, 32, "cpu") == {"tokens_per_sec": 320.0}  # no known peak
-    monkeypatch.setattr(throughput, "peak_bf16_flops", lambda device: 1e12)
-    metrics = throughput.training_throughput(model, 10.0, 32, "cuda", world_size=2)
-    assert metrics["mfu"] == pytest.approx(160.0 * flops_per_token(model, 32) / 1e12)
     result = throughput.measure(model, batch_size=2, seq_len=32, steps=2, warmup=1)
     assert result["tokens_per_s"] == pytest.approx(64 / (result["step_ms"] / 1e3))
     assert result["mfu"] is None and math.isfinite(result["loss"])
+    monkeypatch.setattr(throughput, "peak_bf16_flops", lambda device: 1e12)
+    metrics = throughput.training_throughput(model, 10.0, 32, "cuda", world_size=2)
+    assert metrics["mfu"] == pytest.approx(160.0 * flops_per_token(model, 32) / 1e12)
