@@ -5,10 +5,14 @@
 // buffer gradient run over buffer rows through the inverse map row -> entry, combine runs over
 // tokens. No atomics (so results are deterministic) and no zero-fill pass before a scatter.
 // Rows move as 16-byte vectors whenever the row length and the pointers allow it.
-// Only light headers: ATen/cuda/CUDAContext.h would pull in cuSPARSE's headers, which a CUDA
-// toolkit may lack, and torch/extension.h triples the compile time.
-#include <ATen/ATen.h>
+// Only the headers used: ATen/cuda/CUDAContext.h would pull in cuSPARSE's headers, which a CUDA
+// toolkit may lack, and torch/extension.h or ATen/ATen.h multiply the compile time.
+#include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/full.h>
+#include <ATen/ops/zeros.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
