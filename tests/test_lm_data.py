@@ -70,6 +70,8 @@ def test_token_files_are_read_as_they_are(tmp_path, suffix, dtype):
 
 
 def test_bad_corpora_are_explained(tmp_path):
+    with pytest.raises(ValueError, match="data.path is not set"):
+        text(None)
     with pytest.raises(FileNotFoundError, match="does not exist"):
         text(str(tmp_path / "missing"))
     (tmp_path / "short.txt").write_text("tiny")

@@ -108,7 +108,7 @@ def read_corpus(path: str | Path, text_key: str = "text", token_dtype: str = "ui
 
 
 def text(
-    path: str,
+    path: str | None,
     seq_len: int = 256,
     batch_size: int = 16,
     eval_batch_size: int = 16,
@@ -121,6 +121,8 @@ def text(
 ) -> DataModule:
     """A packed language-modelling corpus (see the module doc). vocab_size: required for token
     files (.npy/.bin), the byte tokenizer's 257 for text."""
+    if path is None:
+        raise ValueError("data.path is not set: give the corpus, data=text data.path=FILE_OR_DIRECTORY")
     if seq_len < 1:
         raise ValueError(f"data.seq_len must be >= 1, got {seq_len}")
     tokens = read_corpus(path, text_key, token_dtype)
