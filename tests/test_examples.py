@@ -35,19 +35,17 @@ SMALL = {
 
 RUNNER = textwrap.dedent(
     """
-    import importlib, json, sys, time, traceback
+    import importlib, json, sys, traceback
     folder, examples, out_path = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3]
     # Imported as modules of the examples folder, so that worker functions of the multi-process
     # examples can be pickled by name for the spawned processes.
     sys.path.insert(0, folder)
     results = {}
     for name, kwargs in examples.items():
-        start = time.perf_counter()
         try:
             results[name] = {"result": importlib.import_module(name[: -len(".py")]).main(**kwargs)}
         except BaseException:
             results[name] = {"error": traceback.format_exc()}
-        results[name]["seconds"] = time.perf_counter() - start
         with open(out_path, "w") as out:  # after each example, so a hang still leaves the others
             json.dump(results, out)
     """
@@ -60,15 +58,19 @@ def outcomes(tmp_path_factory):
     # One thread per process: the examples are tiny, and on a busy 2-core machine more threads
     # only contend (the multi-process examples start several interpreters at once).
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, "-c", RUNNER, str(EXAMPLES), json.dumps(SMALL), str(out_path)],
-                          cwd=EXAMPLES.parent, env=env, capture_output=True, text=True, timeout=600)
-    return (json.loads(out_path.read_text()) if out_path.exists() else {}), proc
+    try:
+        proc = subprocess.run([sys.executable, "-c", RUNNER, str(EXAMPLES), json.dumps(SMALL), str(out_path)],
+                              cwd=EXAMPLES.parent, env=env, capture_output=True, text=True, timeout=600)
+        why_missing = f"the examples' process exited with {proc.returncode}:\n{proc.stderr[-4000:]}"
+    except subprocess.TimeoutExpired:
+        why_missing = "the examples' process ran past 600 s and was stopped"
+    return (json.loads(out_path.read_text()) if out_path.exists() else {}), why_missing
 
 
 def result_of(outcomes, name):
-    results, proc = outcomes
+    results, why_missing = outcomes
     if name not in results:
-        pytest.fail(f"{name} did not run (runner exit {proc.returncode}):\n{proc.stderr[-4000:]}")
+        pytest.fail(f"{name} did not run: {why_missing}")
     if "error" in results[name]:
         pytest.fail(f"{name} failed:\n{results[name]['error']}")
     return results[name]["result"]
