@@ -367,3 +367,40 @@ def test_safetensors_round_trip_every_dtype(tmp_path):
     begin, end = header["f32"]["data_offsets"]
     data = raw[8 + int.from_bytes(raw[:8], "little") + begin : 8 + int.from_bytes(raw[:8], "little") + end]
     assert torch.equal(torch.frombuffer(bytearray(data), dtype=torch.float32).view(3, 5), tensors["f32"])
+
+
+@pytest.mark.parametrize(
+    "preset, model_type, overrides",
+    [
+        ("qwen3_moe_tiny", "qwen3_moe", {}),
+        ("deepseek_v3_tiny", "deepseek_v3", {}),
+        ("kimi_k2_tiny", "kimi_k2", {}),
+        ("qwen3_moe_tiny", "mixtral", {"qk_norm": False}),
+    ],
+)
+def test_saved_checkpoints_load_back_to_the_same_logits(tmp_path, preset, model_type, overrides):
+    from moetrain.models import PRESETS, build_lm, save_hf_checkpoint
+    from moetrain.moe import moe_layers
+
+    torch.manual_seed(5)
+    model = build_lm(preset, vocab_size=64, max_seq_len=32, **overrides).eval()
+    with torch.no_grad():
+        for layer in moe_layers(model):  # a balancing bias that is not zero, for the sigmoid gates
+            if hasattr(layer.gate, "expert_bias"):
+                layer.gate.expert_bias.copy_(0.05 * torch.randn(layer.num_experts))
+    save_hf_checkpoint(model, tmp_path, model_type, max_shard_bytes=100_000)
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    shards = sorted(tmp_path.glob("*.safetensors"))
+    assert len(shards) > 1 and set(index["weight_map"].values()) == {p.name for p in shards}
+    loaded = load_hf_checkpoint(tmp_path)
+    tokens = torch.randint(0, 64, (2, 24))
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(tokens), model(tokens), rtol=1e-5, atol=1e-5)
+    assert PRESETS[preset].moe_kwargs["top_k"] == loaded.config.moe_kwargs["top_k"]
+
+
+def test_saving_a_model_that_does_not_fit_the_architecture_is_refused(tmp_path):
+    from moetrain.models import build_lm, save_hf_checkpoint
+
+    with pytest.raises(CheckpointError, match="does not fit qwen3_moe: expert='ffn'"):
+        save_hf_checkpoint(build_lm("switch_tiny"), tmp_path, "qwen3_moe")

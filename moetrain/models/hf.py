@@ -1,7 +1,9 @@
-"""Load Hugging Face-format checkpoints (config.json + *.safetensors) into MoETransformerLM.
+"""Load Hugging Face-format checkpoints (config.json + *.safetensors) into MoETransformerLM, and
+save one the other way.
 
-    from moetrain.models import load_hf_checkpoint
+    from moetrain.models import load_hf_checkpoint, save_hf_checkpoint
     model = load_hf_checkpoint("path/to/Qwen3-30B-A3B", dtype=torch.bfloat16, device="cuda")
+    save_hf_checkpoint(model, "path/to/finetuned", "qwen3_moe")
 
 Supported model_type values: qwen3_moe, mixtral, deepseek_v3 and kimi_k2 (Kimi-K2 ships the
 DeepSeek-V3 architecture under its own name). Tensors keep their HF names on disk; here each of
@@ -23,7 +25,7 @@ from typing import Callable
 import torch
 
 from moetrain.models.lm import LMConfig, MoETransformerLM
-from moetrain.models.safetensors_format import SafetensorsFile
+from moetrain.models.safetensors_format import SafetensorsFile, save_file
 from moetrain.moe import MoELayer, is_expert_param, moe_layers
 
 MODEL_TYPES = ("qwen3_moe", "mixtral", "deepseek_v3", "kimi_k2")
@@ -124,16 +126,17 @@ def config_from_hf(config: dict, max_seq_len: int = 4096) -> LMConfig:
 
 
 # --- parameter name mapping -------------------------------------------------------------------
-# A source is (HF tensor names, function from those tensors to moetrain's parameter).
+# A source is (HF tensor names, function from those tensors to moetrain's parameter, and the
+# inverse function from the parameter to those tensors).
 
 
 def _same(name: str):
-    return [name], lambda tensors: tensors[0]
+    return [name], lambda tensors: tensors[0], lambda tensor: [tensor]
 
 
 def _stacked_transposed(names: list[str]):
     # HF nn.Linear weights are [out, in] per expert; moetrain's experts hold [E, in, out].
-    return names, lambda tensors: torch.stack(tensors).transpose(1, 2)
+    return names, lambda tensors: torch.stack(tensors).transpose(1, 2), lambda tensor: list(tensor.transpose(1, 2))
 
 
 def _attention_sources(ours: str, hf: str, config: LMConfig) -> dict:
@@ -171,8 +174,8 @@ def _moe_sources(ours: str, hf: str, layer: MoELayer, model_type: str) -> dict:
     return sources
 
 
-def hf_sources(model: MoETransformerLM, model_type: str) -> dict[str, tuple[list[str], Callable]]:
-    """moetrain parameter/buffer name -> (HF tensor names, combine function)."""
+def hf_sources(model: MoETransformerLM, model_type: str) -> dict[str, tuple[list[str], Callable, Callable]]:
+    """moetrain parameter/buffer name -> (HF tensor names, combine function, split function)."""
     config = model.config
     sources = {"embed.weight": _same("model.embed_tokens.weight"), "norm.weight": _same("model.norm.weight")}
     if not config.tie_embeddings:
@@ -248,7 +251,7 @@ def load_hf_checkpoint(
     skipped = {n for n in tensors if (m := mtp_layer.match(n)) and int(m.group(1)) >= config.depth
                and hf_config.get("num_nextn_predict_layers", 0) > 0}
     scales = {n for n in tensors if n.endswith(".weight_scale_inv")}
-    wanted = {name for names, _ in sources.values() for name in names}
+    wanted = {name for names, _, _ in sources.values() for name in names}
     missing = sorted(n for n in wanted if n not in tensors)
     unexpected = sorted(n for n in tensors if n not in wanted and n not in skipped and n not in scales)
     if missing or unexpected:
@@ -280,7 +283,7 @@ def load_hf_checkpoint(
         if name in expert_names:
             param.moe_expert = True
     state = model.state_dict()
-    for ours, (names, combine) in sources.items():
+    for ours, (names, combine, _) in sources.items():
         value = combine([read(name) for name in names])
         if value.shape != state[ours].shape:
             raise CheckpointError(
@@ -300,3 +303,92 @@ def _reset_derived_buffers(model: MoETransformerLM) -> None:
         for name in module._non_persistent_buffers_set:
             getattr(module, name).zero_()
     model.reset_rotary()
+
+
+# --- writing ----------------------------------------------------------------------------------
+
+
+def hf_config(config: LMConfig, model_type: str) -> dict:
+    """The HF config.json of a moetrain LM config, for an architecture it fits (else CheckpointError)."""
+    if model_type not in MODEL_TYPES:
+        raise CheckpointError(f"model_type must be one of {MODEL_TYPES}, got {model_type!r}")
+    moe, gate_kwargs = config.moe_kwargs, config.moe_kwargs.get("gate_kwargs") or {}
+    gate = moe.get("gate", "top")
+    mla = model_type in ("deepseek_v3", "kimi_k2")
+    problems = []
+    if config.expert != "swiglu" or config.activation != "silu":
+        problems.append(f"expert={config.expert!r}, activation={config.activation!r} (need swiglu experts with silu)")
+    if config.attention != ("mla" if mla else "mha"):
+        problems.append(f"attention={config.attention!r} (need {'mla' if mla else 'mha'})")
+    if gate != ("sigmoid" if mla else "top"):
+        problems.append(f"gate {gate!r} (need {'sigmoid' if mla else 'top'})")
+    if model_type == "mixtral" and (config.qk_norm or config.first_dense or config.moe_every != 1 or config.num_shared_experts
+                                    or not gate_kwargs.get("normalize", False)):
+        problems.append("Mixtral has no q/k norm, no dense or shared FFN, and renormalised top-k weights")
+    if model_type == "qwen3_moe" and (not config.qk_norm or config.first_dense or config.num_shared_experts):
+        problems.append("Qwen3-MoE has q/k norms and no dense-first or shared experts")
+    if mla and config.moe_every != 1:
+        problems.append(f"moe_every={config.moe_every} (DeepSeek-V3 layouts need 1)")
+    if problems:
+        raise CheckpointError(f"this model does not fit {model_type}: " + "; ".join(problems))
+    hf = {
+        "model_type": model_type, "vocab_size": config.vocab_size, "hidden_size": config.dim,
+        "num_hidden_layers": config.depth, "num_attention_heads": config.num_heads, "rms_norm_eps": config.norm_eps,
+        "rope_theta": config.rope_theta, "max_position_embeddings": config.max_seq_len,
+        "tie_word_embeddings": config.tie_embeddings, "hidden_act": "silu", "num_experts_per_tok": moe.get("top_k", 2),
+    }
+    if mla:
+        return hf | {
+            "q_lora_rank": config.q_lora_rank, "kv_lora_rank": config.kv_lora_rank,
+            "qk_nope_head_dim": config.qk_nope_head_dim, "qk_rope_head_dim": config.qk_rope_head_dim,
+            "v_head_dim": config.v_head_dim, "rope_scaling": config.rope_scaling, "attention_bias": False,
+            "n_routed_experts": config.num_experts, "moe_intermediate_size": config.expert_hidden_size,
+            "intermediate_size": config.dense_hidden_size or config.expert_hidden_size,
+            "n_shared_experts": config.num_shared_experts, "first_k_dense_replace": config.first_dense,
+            "moe_layer_freq": 1, "scoring_func": "sigmoid", "topk_method": "noaux_tc",
+            "n_group": gate_kwargs.get("n_group", 1), "topk_group": gate_kwargs.get("topk_group", 1),
+            "routed_scaling_factor": gate_kwargs.get("routed_scaling_factor", 1.0),
+            "norm_topk_prob": gate_kwargs.get("normalize", True), "num_nextn_predict_layers": 0,
+        }
+    head_dim = config.head_dim or config.dim // config.num_heads
+    hf |= {"num_key_value_heads": config.num_kv_heads or config.num_heads, "head_dim": head_dim}
+    if model_type == "mixtral":
+        return hf | {"num_local_experts": config.num_experts, "intermediate_size": config.expert_hidden_size,
+                     "sliding_window": None}
+    return hf | {
+        "num_experts": config.num_experts, "moe_intermediate_size": config.expert_hidden_size,
+        "intermediate_size": config.dense_hidden_size or config.expert_hidden_size,
+        "decoder_sparse_step": config.moe_every, "mlp_only_layers": [], "attention_bias": config.attention_bias,
+        "norm_topk_prob": gate_kwargs.get("normalize", False),
+    }
+
+
+def save_hf_checkpoint(model: MoETransformerLM, directory: str | Path, model_type: str,
+                       max_shard_bytes: int = 5 * 2**30) -> None:
+    """Write config.json, *.safetensors shards (HF parameter names) and their index, which
+    load_hf_checkpoint and the HF implementations of `model_type` read."""
+    directory = Path(directory)
+    config = hf_config(model.config, model_type)
+    state = model.state_dict()
+    tensors = {}
+    for ours, (names, _, split) in hf_sources(model, model_type).items():
+        tensors.update((name, tensor.detach().cpu().contiguous()) for name, tensor in zip(names, split(state[ours])))
+    config["torch_dtype"] = str(model.embed.weight.dtype).removeprefix("torch.")  # what load_hf_checkpoint builds in
+    shards: list[dict] = [{}]
+    shard_bytes = 0
+    for name, tensor in tensors.items():
+        size = tensor.numel() * tensor.element_size()
+        if shards[-1] and shard_bytes + size > max_shard_bytes:
+            shards.append({})
+            shard_bytes = 0
+        shards[-1][name] = tensor
+        shard_bytes += size
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    weight_map = {}
+    for index, shard in enumerate(shards, 1):
+        file_name = f"model-{index:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, directory / file_name, metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(shard, file_name))
+    index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in tensors.values())}, "weight_map": weight_map}
+    (directory / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
