@@ -18,7 +18,7 @@ from moetrain.quant import (
     quantize_model, save_quantized,
 )
 from moetrain.quant.formats import dequantize_fp8_groups, quantize_fp8_groups
-from moetrain.quant.matmul import emulated_matmul, quantized_matmul
+from moetrain.quant.matmul import emulated_matmul, grouped_matmul
 
 MIXED = ["bf16", "fp8", "fp8_block", "mxfp4", "nvfp4", "fp8"]
 
@@ -204,16 +204,19 @@ def test_fp4_triton_kernel_in_the_interpreter():
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("name", ["bf16", "fp8", "fp8_block", "mxfp4", "nvfp4"])
-def test_cuda_kernels_match_the_emulation(name):
+@pytest.mark.parametrize("name,fp8_grouped", [("bf16", False), ("fp8", False), ("fp8", True), ("fp8_block", False),
+                                              ("mxfp4", False), ("nvfp4", False)])
+def test_cuda_kernels_match_the_emulation(name, fp8_grouped):
     torch.manual_seed(6)
     fmt = get_format(name)
-    w = torch.randn(256, 512, device="cuda")
-    q = fmt.quantize(w)
-    x = torch.randn(37, 512, device="cuda", dtype=torch.bfloat16)
-    reference = emulated_matmul(x, fmt, q, 512)
-    y = quantized_matmul(x, fmt, q, 256, 512).float()
-    assert (y - reference).norm() / reference.norm() < 1e-2
+    qs = [fmt.quantize(torch.randn(256, 512, device="cuda")) for _ in range(3)]
+    stacked = {key: torch.stack([q[key] for q in qs]) for key in qs[0]}
+    counts, starts = [37, 0, 5], [0, 37, 37]
+    x = torch.randn(42, 512, device="cuda", dtype=torch.bfloat16)
+    y = torch.zeros(42, 256, device="cuda", dtype=torch.bfloat16)
+    grouped_matmul(x, fmt, stacked, 256, 512, starts, counts, y, fp8_grouped)
+    reference = torch.cat([emulated_matmul(x[:37], fmt, qs[0], 512), emulated_matmul(x[37:], fmt, qs[2], 512)])
+    assert (y.float() - reference).norm() / reference.norm() < 1e-2
 
 
 def test_every_quant_config_builds_a_policy():

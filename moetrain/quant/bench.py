@@ -25,7 +25,7 @@ from moetrain.moe.routing import make_plan
 from moetrain.quant.experts import QuantizedExperts
 from moetrain.quant.export import expert_memory
 from moetrain.quant.formats import get_format
-from moetrain.quant.matmul import emulated_matmul, fast_path, quantized_matmul
+from moetrain.quant.matmul import emulated_matmul, fast_path, grouped_matmul
 
 # name: (model_dim, hidden_size, num_experts, top_k)
 SHAPES = {
@@ -33,7 +33,8 @@ SHAPES = {
     "fine_grained": (2048, 1536, 64, 6),  # DeepSeekMoE-like; H a multiple of 512 for fp8_block
     "small": (256, 512, 8, 2),
 }
-FORMAT_NAMES = ("bf16", "fp8", "fp8_block", "mxfp4", "nvfp4")
+# fp8_grouped: fp8 experts through one torch._scaled_grouped_mm launch (QuantizedExperts.fp8_grouped).
+FORMAT_NAMES = ("bf16", "fp8", "fp8_grouped", "fp8_block", "mxfp4", "nvfp4")
 
 
 def median_ms(fn, iters: int, device: torch.device) -> float:
@@ -61,15 +62,16 @@ def paths(layer: MoELayer, device: torch.device) -> str:
         return "torch" if device.type == "cuda" else "emulated"
     found = {fast_path(stack.format, stack.n, stack.k) for weight in layer.experts.weights.values()
              for stack in weight.stacks.values()}
-    return "+".join(sorted(found))
+    return "+".join(sorted(found)) + (" grouped" if layer.experts.fp8_grouped else "")
 
 
 @torch.no_grad()
 def bench_shape(name: str, args, device: torch.device) -> list[dict]:
     model_dim, hidden, experts, top_k = SHAPES[name]
     torch.manual_seed(0)
-    base = MoELayer(model_dim, experts, hidden, top_k=top_k, expert=args.expert, capacity_factor=0.0, impl="torch")
-    base = base.to(device=device, dtype=torch.bfloat16).eval()
+    with device:  # initialise the weights where they will live: a large layer takes long on a CPU
+        base = MoELayer(model_dim, experts, hidden, top_k=top_k, expert=args.expert, capacity_factor=0.0, impl="torch")
+    base = base.to(dtype=torch.bfloat16).eval()
     inputs = {phase: torch.randn(tokens, model_dim, device=device, dtype=torch.bfloat16)
               for phase, tokens in (("decode", args.decode_tokens), ("prefill", args.prefill_tokens))}
     # The same routing for every format: the experts-only timing runs on this fixed buffer.
@@ -88,6 +90,7 @@ def bench_shape(name: str, args, device: torch.device) -> list[dict]:
             rows.append(bench_format(name, base, float_experts, fmt, inputs, buffers, reference, args, device))
         except Exception as error:  # one format failing (an old torch, no Triton) must not hide the others
             rows.append({"shape": name, "format": fmt, "error": f"{type(error).__name__}: {error}"[:400]})
+        print_row(rows[-1], rows[0])
         base.experts = float_experts
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -95,19 +98,27 @@ def bench_shape(name: str, args, device: torch.device) -> list[dict]:
 
 
 def kernel_error(experts: QuantizedExperts, device: torch.device) -> float:
-    """Relative difference between the device path and the fp32 emulation on one expert matrix."""
+    """Relative difference between the device path and the fp32 emulation on the first weight of
+    every expert, for 3 to 40 rows per expert (one expert gets none)."""
     weight = next(iter(experts.weights.values()))
     stack = next(iter(weight.stacks.values()))
-    q = {name: tensor[0] for name, tensor in stack.stored().items()}
-    x = torch.randn(37, stack.k, device=device, dtype=torch.bfloat16)
-    reference = emulated_matmul(x, stack.format, q, stack.k)
-    y = quantized_matmul(x, stack.format, q, stack.n, stack.k).float()
-    return ((y - reference).norm() / reference.norm()).item()
+    counts = [(3 + 7 * g) % 41 if g != 1 else 0 for g in range(len(stack.experts))]
+    starts = [sum(counts[:g]) for g in range(len(counts))]
+    x = torch.randn(sum(counts), stack.k, device=device, dtype=torch.bfloat16)
+    y = x.new_zeros(x.size(0), stack.n)
+    grouped_matmul(x, stack.format, stack.stored(), stack.n, stack.k, starts, counts, y, experts.fp8_grouped)
+    reference = torch.cat([
+        emulated_matmul(x[s : s + c], stack.format, {name: t[g] for name, t in stack.stored().items()}, stack.k)
+        for g, (s, c) in enumerate(zip(starts, counts))
+    ])
+    return ((y.float() - reference).norm() / reference.norm()).item()
 
 
 def bench_format(name: str, layer: MoELayer, float_experts, fmt: str, inputs, buffers, reference, args, device) -> dict:
     if fmt != "bf16":
-        layer.experts = QuantizedExperts.from_experts(float_experts, [get_format(fmt).name] * layer.num_experts)
+        storage = "fp8" if fmt == "fp8_grouped" else fmt
+        layer.experts = QuantizedExperts.from_experts(float_experts, [get_format(storage).name] * layer.num_experts)
+        layer.experts.fp8_grouped = fmt == "fp8_grouped"
     memory = expert_memory(layer)
     row = {"shape": name, "format": fmt, "path": paths(layer, device),
            "expert_weight_bytes": sum(m.bytes for m in memory.values()),
@@ -124,22 +135,21 @@ def bench_format(name: str, layer: MoELayer, float_experts, fmt: str, inputs, bu
     return row
 
 
-def print_table(rows: list[dict]) -> None:
-    header = (f"{'shape':<13}{'format':<10}{'path':<16}{'GiB':>7}{'bits/w':>7} | {'decode layer':>12}{'experts':>9}"
-              f"{'x bf16':>7} | {'prefill layer':>13}{'experts':>9}{'x bf16':>7} | {'err dec':>8}{'err pre':>8}{'vs emul':>9}")
-    print(header)
-    print("-" * len(header))
-    baseline = {row["shape"]: row for row in rows if row["format"] == "bf16"}
-    for row in rows:
-        if "error" in row:
-            print(f"{row['shape']:<13}{row['format']:<10}FAILED: {row['error']}")
-            continue
-        base = baseline.get(row["shape"], row)
-        print(f"{row['shape']:<13}{row['format']:<10}{row['path']:<16}{row['expert_weight_bytes'] / 2**30:>7.3f}"
-              f"{row['bits_per_weight']:>7.2f} | {row['decode_layer_ms']:>12.3f}{row['decode_experts_ms']:>9.3f}"
-              f"{base['decode_experts_ms'] / row['decode_experts_ms']:>7.2f} | {row['prefill_layer_ms']:>13.3f}"
-              f"{row['prefill_experts_ms']:>9.3f}{base['prefill_experts_ms'] / row['prefill_experts_ms']:>7.2f} | "
-              f"{row['decode_rel_error']:>8.4f}{row['prefill_rel_error']:>8.4f}{row.get('kernel_vs_emulation', 0):>9.5f}")
+HEADER = (f"{'shape':<13}{'format':<12}{'path':<16}{'GiB':>7}{'bits/w':>7} | {'decode layer':>12}{'experts':>9}"
+          f"{'x bf16':>7} | {'prefill layer':>13}{'experts':>9}{'x bf16':>7} | {'err dec':>8}{'err pre':>8}{'vs emul':>9}")
+
+
+def print_row(row: dict, baseline: dict) -> None:
+    """One line per format as soon as it is measured (x bf16: experts-only speed-up over bf16)."""
+    if "error" in row:
+        print(f"{row['shape']:<13}{row['format']:<12}FAILED: {row['error']}", flush=True)
+        return
+    print(f"{row['shape']:<13}{row['format']:<12}{row['path']:<16}{row['expert_weight_bytes'] / 2**30:>7.3f}"
+          f"{row['bits_per_weight']:>7.2f} | {row['decode_layer_ms']:>12.3f}{row['decode_experts_ms']:>9.3f}"
+          f"{baseline['decode_experts_ms'] / row['decode_experts_ms']:>7.2f} | {row['prefill_layer_ms']:>13.3f}"
+          f"{row['prefill_experts_ms']:>9.3f}{baseline['prefill_experts_ms'] / row['prefill_experts_ms']:>7.2f} | "
+          f"{row['decode_rel_error']:>8.4f}{row['prefill_rel_error']:>8.4f}{row.get('kernel_vs_emulation', 0):>9.5f}",
+          flush=True)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -153,19 +163,19 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--json", help="also write the rows to this file")
     args = parser.parse_args(argv)
-    if "bf16" not in args.formats:
-        args.formats = ["bf16"] + args.formats  # the baseline of every ratio
+    args.formats = ["bf16"] + [f for f in args.formats if f != "bf16"]  # the baseline of every ratio, first
     device = torch.device(args.device)
     card = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     print(f"moetrain.quant.bench: torch {torch.__version__}, {card}, expert={args.expert}, "
           f"decode {args.decode_tokens} / prefill {args.prefill_tokens} tokens, median of {args.iters}; times in ms")
+    print(HEADER)
+    print("-" * len(HEADER), flush=True)
     rows = []
     for name in args.shapes:
         rows += bench_shape(name, args, device)
-    print_table(rows)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"torch": torch.__version__, "device": card, "rows": rows}, f, indent=1)
+        if args.json:  # after every shape, so a run cut short still leaves its results
+            with open(args.json, "w") as f:
+                json.dump({"torch": torch.__version__, "device": card, "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -67,12 +67,12 @@ class QuantizedWeight(nn.Module):
         for stack in self.stacks.values():
             stack.quantize(w_EKN[stack.experts].transpose(1, 2))
 
-    def forward(self, x_RK: torch.Tensor, starts: list[int], counts: list[int]) -> torch.Tensor:
+    def forward(self, x_RK: torch.Tensor, starts: list[int], counts: list[int], fp8_grouped: bool = False) -> torch.Tensor:
         """Expert-major rows in, expert-major rows out: y[rows of e] = x[rows of e] @ w_e."""
         y_RN = x_RK.new_zeros(x_RK.size(0), self.n)
         for stack in self.stacks.values():
             grouped_matmul(x_RK, stack.format, stack.stored(), self.n, self.k,
-                           [starts[e] for e in stack.experts], [counts[e] for e in stack.experts], y_RN)
+                           [starts[e] for e in stack.experts], [counts[e] for e in stack.experts], y_RN, fp8_grouped)
         return y_RN
 
 
@@ -80,6 +80,9 @@ class QuantizedExperts(Experts):
     """Inference replacement for FFNExperts / SwiGLUExperts with one format per expert.
 
         quantized = QuantizedExperts.from_experts(layer.experts, ["fp8"] * 4 + ["mxfp4"] * 4)
+
+    fp8_grouped (attribute, default False): on CUDA, run an all-fp8 layer's GEMMs through
+    torch._scaled_grouped_mm (one launch) instead of one torch._scaled_mm per expert.
     """
 
     def __init__(self, kind: type[Experts], num_experts: int, model_dim: int, hidden_size: int,
@@ -92,6 +95,7 @@ class QuantizedExperts(Experts):
         self.kind = kind
         self.formats = list(formats)
         self.act = act
+        self.fp8_grouped = False
         d, h = model_dim, hidden_size
         shapes = {"w1": (h, d), "w2": (d, h), "w_gate": (h, d), "w_up": (h, d), "w_down": (d, h)}  # (N, K)
         self.weights = nn.ModuleDict({name: QuantizedWeight(formats, *shapes[name], device) for name in WEIGHT_NAMES[kind]})
@@ -123,13 +127,16 @@ class QuantizedExperts(Experts):
         else:
             starts_E = torch.arange(self.num_experts, device=counts_E.device) * capacity
         starts, counts = starts_E.tolist(), counts_E.tolist()
-        w = self.weights
+
+        def linear(name: str, x_RK: torch.Tensor) -> torch.Tensor:
+            return self.weights[name](x_RK, starts, counts, self.fp8_grouped)
+
         if self.kind is FFNExperts:
             expert_R = self._row_expert(starts_E, counts_E, x_RD.size(0))
-            h_RH = self.act(w["w1"](x_RD, starts, counts) + self._row_bias(self.b1, expert_R, x_RD.dtype))
-            return w["w2"](h_RH, starts, counts) + self._row_bias(self.b2, expert_R, x_RD.dtype)
-        h_RH = self.act(w["w_gate"](x_RD, starts, counts)) * w["w_up"](x_RD, starts, counts)
-        return w["w_down"](h_RH, starts, counts)
+            h_RH = self.act(linear("w1", x_RD) + self._row_bias(self.b1, expert_R, x_RD.dtype))
+            return linear("w2", h_RH) + self._row_bias(self.b2, expert_R, x_RD.dtype)
+        h_RH = self.act(linear("w_gate", x_RD)) * linear("w_up", x_RD)
+        return linear("w_down", h_RH)
 
     def _row_expert(self, starts_E: torch.Tensor, counts_E: torch.Tensor, num_rows: int) -> torch.Tensor:
         """The expert of each buffer row, or num_experts for padding rows."""

@@ -67,10 +67,18 @@ def quantized_matmul(x_RK: torch.Tensor, fmt: WeightFormat, q: dict[str, torch.T
     return y_RN
 
 
+def _packed(starts: list[int], counts: list[int]) -> bool:
+    """Whether the experts' rows follow each other from row 0 (one format for the whole layer)."""
+    return starts[0] == 0 and all(starts[g + 1] == starts[g] + counts[g] for g in range(len(starts) - 1))
+
+
 def grouped_matmul(x_RK: torch.Tensor, fmt: WeightFormat, q_G: dict[str, torch.Tensor], n: int, k: int,
-                   starts: list[int], counts: list[int], y_RN: torch.Tensor) -> None:
+                   starts: list[int], counts: list[int], y_RN: torch.Tensor, fp8_grouped: bool = False) -> None:
     """For each expert g of one format: y[start_g : start_g + count_g] = x[same rows] @ w_g.T, in place.
-    q_G holds the G experts' stored tensors stacked on a leading dimension."""
+    q_G holds the G experts' stored tensors stacked on a leading dimension.
+
+    fp8_grouped: run fp8 through one torch._scaled_grouped_mm launch instead of one _scaled_mm per
+    expert, where the rows allow it (all experts packed from row 0)."""
     segments = [(g, start, count) for g, (start, count) in enumerate(zip(starts, counts)) if count]
     if not segments:
         return
@@ -81,6 +89,15 @@ def grouped_matmul(x_RK: torch.Tensor, fmt: WeightFormat, q_G: dict[str, torch.T
         return
     if kernel and fmt.name in ACTIVATION_GROUP:
         xq_RK, scale = quantize_activations(x_RK, fmt)
+        if fp8_grouped and fmt.name == "fp8" and _packed(starts, counts):
+            total = starts[-1] + counts[-1]
+            ends_G = torch.tensor(counts, device=x_RK.device).cumsum(0).to(torch.int32)
+            # The grouped kernel wants each expert's weight column-major: w_GNK.transpose is that.
+            y_RN[:total] = torch._scaled_grouped_mm(
+                xq_RK[:total], q_G["data"].transpose(1, 2), scale[:total].view(-1), q_G["scale"], offs=ends_G,
+                out_dtype=torch.bfloat16,
+            ).to(y_RN.dtype)
+            return
         for g, start, count in segments:
             rows = slice(start, start + count)
             q = {name: t[g] for name, t in q_G.items()}
