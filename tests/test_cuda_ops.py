@@ -157,6 +157,8 @@ def test_kernel_errors_name_the_argument():
     with pytest.raises(RuntimeError, match="weight must be"):
         torch.ops.moetrain.combine(x, torch.zeros(8, 1, dtype=torch.long, device="cuda"),
                                    torch.rand(8, 1, device="cuda", dtype=torch.float64))
+    with pytest.raises(RuntimeError, match="dest must be on cuda"):
+        torch.ops.moetrain.dispatch(x, torch.zeros(8, 1, dtype=torch.long), 8)
     with pytest.raises(RuntimeError, match="padded layout needs a capacity"):
         ops.route(torch.zeros(4, dtype=torch.long, device="cuda"), 2, -1, False)
 

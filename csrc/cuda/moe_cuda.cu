@@ -41,6 +41,11 @@ void with_vector_width(int width, const Fn& fn) {
   }
 }
 
+void check_same_device(const at::Tensor& tensor, const at::Tensor& reference, const char* what, const char* name) {
+  TORCH_CHECK(tensor.device() == reference.device(), what, ": ", name, " must be on ", reference.device(), ", got ",
+              tensor.device());
+}
+
 void check_cuda_plan(const at::Tensor& dest, int64_t tokens, const char* what) {
   TORCH_CHECK(dest.scalar_type() == at::kLong, what, ": dest must be int64, got ", dest.scalar_type());
   TORCH_CHECK(dest.dim() == 2 && dest.size(0) == tokens, what, ": dest must be [tokens, k] with tokens=", tokens,
@@ -219,6 +224,7 @@ __global__ void dispatch_kernel(const scalar_t* __restrict__ x, const int64_t* _
 at::Tensor dispatch_cuda(const at::Tensor& x_in, const at::Tensor& dest_in, int64_t num_rows) {
   TORCH_CHECK(x_in.dim() == 2, "dispatch: x must be [tokens, dim], got ", x_in.sizes());
   check_cuda_plan(dest_in, x_in.size(0), "dispatch");
+  check_same_device(dest_in, x_in, "dispatch", "dest");
   TORCH_CHECK(num_rows >= 0, "dispatch: num_rows must be >= 0, got ", num_rows);
   const c10::cuda::CUDAGuard guard(x_in.device());
   auto x = x_in.contiguous();
@@ -278,6 +284,7 @@ at::Tensor combine_cuda(const at::Tensor& buf_in, const at::Tensor& dest_in, con
   TORCH_CHECK(buf_in.dim() == 2, "combine: buf must be [rows, dim], got ", buf_in.sizes());
   TORCH_CHECK(dest_in.dim() == 2, "combine: dest must be [tokens, k], got ", dest_in.sizes());
   TORCH_CHECK(dest_in.scalar_type() == at::kLong, "combine: dest must be int64, got ", dest_in.scalar_type());
+  check_same_device(dest_in, buf_in, "combine", "dest");
   const c10::cuda::CUDAGuard guard(buf_in.device());
   auto buf = buf_in.contiguous();
   auto dest = dest_in.contiguous();
@@ -294,7 +301,7 @@ at::Tensor combine_cuda(const at::Tensor& buf_in, const at::Tensor& dest_in, con
                   c10::CppTypeToScalarType<acc_t>::value, " for ", buf.scalar_type(), " buffers, got ",
                   weight.scalar_type());
       TORCH_CHECK(weight.sizes() == dest.sizes(), "combine: weight must have dest's shape");
-      TORCH_CHECK(weight.device() == buf.device(), "combine: weight must be on buf's device");
+      check_same_device(weight, buf, "combine", "weight");
       w = weight.data_ptr<acc_t>();
     }
     const int width = vector_width(dim, sizeof(scalar_t), {buf.data_ptr(), y.data_ptr()});
@@ -372,6 +379,8 @@ std::tuple<at::Tensor, at::Tensor> combine_backward_cuda(const at::Tensor& grad_
                                                          int64_t num_rows, bool weight_grad) {
   TORCH_CHECK(grad_y_in.dim() == 2, "combine_backward: grad_y must be [tokens, dim], got ", grad_y_in.sizes());
   check_cuda_plan(dest_in, grad_y_in.size(0), "combine_backward");
+  check_same_device(dest_in, grad_y_in, "combine_backward", "dest");
+  check_same_device(weight_in, grad_y_in, "combine_backward", "weight");
   TORCH_CHECK(num_rows >= 0, "combine_backward: num_rows must be >= 0, got ", num_rows);
   const c10::cuda::CUDAGuard guard(grad_y_in.device());
   auto grad_y = grad_y_in.contiguous();
@@ -385,6 +394,7 @@ std::tuple<at::Tensor, at::Tensor> combine_backward_cuda(const at::Tensor& grad_
   at::Tensor buf;
   if (weight_grad) {
     buf = buf_in.contiguous();
+    check_same_device(buf, grad_y, "combine_backward", "buf");
     TORCH_CHECK(buf.scalar_type() == grad_y.scalar_type() && buf.dim() == 2 && buf.size(0) == num_rows &&
                     buf.size(1) == dim,
                 "combine_backward: buf must be [num_rows, dim] with grad_y's dtype, got ", buf.sizes(), " ",
