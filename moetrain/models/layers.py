@@ -212,7 +212,7 @@ class LatentAttention(nn.Module):
         dropout: float = 0.0,
     ):
         super().__init__()
-        self.num_heads, self.kv_lora_rank = num_heads, kv_lora_rank
+        self.num_heads, self.q_lora_rank, self.kv_lora_rank = num_heads, q_lora_rank, kv_lora_rank
         self.nope_dim, self.rope_dim, self.v_head_dim = qk_nope_head_dim, qk_rope_head_dim, v_head_dim
         qk_head_dim = qk_nope_head_dim + qk_rope_head_dim
         self.softmax_scale = softmax_scale if softmax_scale is not None else qk_head_dim**-0.5
@@ -236,7 +236,7 @@ class LatentAttention(nn.Module):
 
     def forward(self, x_BTD: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         B, T, _ = x_BTD.shape
-        if hasattr(self, "q_proj"):
+        if self.q_lora_rank is None:
             q = self.q_proj(x_BTD)
         else:
             q = self.q_b_proj(self.q_a_norm(self.q_a_proj(x_BTD)))
