@@ -56,11 +56,11 @@ if triton is not None:
             exponent = (code >> 3) & 15
             mantissa = code & 7
             scaled = tl.where(exponent == 0, mantissa << 1, (8 + mantissa) << exponent)
-            value = scaled.to(tl.float32) * (1.0 / 1024.0)
-            return tl.where((exponent == 15) & (mantissa == 7), _nan_like(code), value)
-        # E8M0: the code is the fp32 exponent field. Code 0 (2^-127, an fp32 subnormal) decodes as 0.
-        value = (code << 23).to(tl.float32, bitcast=True)
-        return tl.where(code == 255, _nan_like(code), value)
+            value = tl.where((exponent == 15) & (mantissa == 7), _nan_like(code), scaled.to(tl.float32) * (1.0 / 1024.0))
+        else:
+            # E8M0: the code is the fp32 exponent field. Code 0 (2^-127, an fp32 subnormal) decodes as 0.
+            value = tl.where(code == 255, _nan_like(code), (code << 23).to(tl.float32, bitcast=True))
+        return value
 
     @triton.jit
     def _fp4_grouped_kernel(
