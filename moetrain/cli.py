@@ -17,6 +17,7 @@ Hydra's entry point, which makes the run directory and calls `train`.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import logging
 import sys
@@ -26,8 +27,9 @@ from importlib import resources
 from pathlib import Path
 
 import hydra
+import torch
 from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
-from hydra._internal.utils import get_args_parser
+from hydra._internal.utils import _locate, get_args_parser
 from hydra.core.config_store import ConfigStore
 from hydra.core.hydra_config import HydraConfig
 from hydra.core.override_parser.overrides_parser import OverridesParser
@@ -36,6 +38,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException, ValidationError
 
 from moetrain.config import Config, ConfigError, did_you_mean, moe_kwargs, validate
+from moetrain.data import DataModule
 from moetrain.train import NonFiniteLoss, Trainer, seed_everything
 
 log = logging.getLogger(__name__)
@@ -109,7 +112,8 @@ def _explain(error: Exception, overrides: list[str]) -> str:
             message += f"; to pass a new argument to {parent}._target_, write +{cause.full_key}=VALUE"
         return message
     if isinstance(cause, ValidationError) and cause.full_key:
-        return f"bad value for {cause.full_key}: {_one_line(cause.msg)}"
+        # The message's first line is the problem; the rest repeats the key and the schema's name.
+        return f"bad value for {cause.full_key}: {str(cause.msg).splitlines()[0]}"
     return _one_line(cause.msg if cause is not None else error)
 
 
@@ -135,8 +139,8 @@ def check_target(group: str, node: dict) -> None:
     """The group's _target_ imports, and takes every key of the group with a value of its type."""
     path = node["_target_"]
     try:
-        target = hydra.utils.get_object(path)
-    except Exception as error:
+        target = _locate(path)  # hydra.utils.get_object would also log the failure on stderr
+    except ImportError as error:
         raise ConfigError(f"{group}._target_={path} cannot be imported ({_one_line(error)}): fix the dotted path")
     parameters = inspect.signature(target).parameters
     if any(p.kind == p.VAR_KEYWORD for p in parameters.values()):
@@ -151,11 +155,30 @@ def check_target(group: str, node: dict) -> None:
                 f"unknown key {group}.{key}: {path} takes " + ", ".join(accepted) + did_you_mean(key, accepted)
             )
         if key in hints and not _matches(value, hints[key]):
-            raise ConfigError(f"bad value for {group}.{key}: {value!r} is not {hints[key]} ({path})")
+            expected = getattr(hints[key], "__name__", str(hints[key]))
+            raise ConfigError(f"bad value for {group}.{key}: {value!r} is not {expected} ({path} wants {expected})")
+
+
+def _check_schema_keys(node: DictConfig, path: str = "") -> None:
+    """`+trainer.foo=1` adds a key even to a typed node (Hydra opens it for the addition)."""
+    schema = OmegaConf.get_type(node)
+    if dataclasses.is_dataclass(schema):
+        fields = [f.name for f in dataclasses.fields(schema)]
+        for key in node:
+            if key not in fields:
+                raise ConfigError(
+                    f"unknown key {path}{key}: {path.rstrip('.') or 'the top level'} has " + ", ".join(fields)
+                    + did_you_mean(key, fields)
+                )
+    for key in node:
+        child = node._get_node(key)
+        if isinstance(child, DictConfig) and dataclasses.is_dataclass(OmegaConf.get_type(child)):
+            _check_schema_keys(child, f"{path}{key}.")
 
 
 def checked(cfg: DictConfig) -> Config:
     """The composed config as the typed schema, after every check; raises ConfigError."""
+    _check_schema_keys(cfg)
     if "recipe" in cfg:
         raise ConfigError(f"'recipe' is not a config key: apply a recipe with +recipe=NAME ({'|'.join(recipe_names())})")
     config: Config = OmegaConf.to_object(cfg)
@@ -211,15 +234,21 @@ def _instantiate(group: str, node: dict, **kwargs):
         raise ConfigError(f"{group} ({node['_target_']}): {_one_line(cause or error)}") from None
 
 
+def build(config: Config) -> tuple[DataModule, torch.nn.Module]:
+    """The data module, then the model: every MoE layer gets the gate settings (moe_kwargs), and the
+    data fixes the model's input and output sizes unless the model config sets them itself."""
+    seed_everything(config.seed)
+    data = _instantiate("data", config.data)
+    model_inputs = {key: value for key, value in data.model_inputs.items() if key not in config.model}
+    model = _instantiate("model", config.model, **model_inputs, moe_kwargs=moe_kwargs(config.gate))
+    return data, model
+
+
 def train(cfg: DictConfig, run_dir: Path) -> dict:
     """Build data, model and trainer from the composed config, train in run_dir, return the final metrics."""
     config = checked(cfg)
     log.info("run directory %s", run_dir)
-    seed_everything(config.seed)
-    data = _instantiate("data", config.data)
-    # The data fixes the model's input and output sizes unless the model config sets them itself.
-    model_inputs = {key: value for key, value in data.model_inputs.items() if key not in config.model}
-    model = _instantiate("model", config.model, **model_inputs, moe_kwargs=moe_kwargs(config.gate))
+    data, model = build(config)
     log.info("model %s: %.2fM parameters", config.model["_target_"], sum(p.numel() for p in model.parameters()) / 1e6)
     trainer = Trainer(
         model,

@@ -1,0 +1,95 @@
+"""Shared fixtures: small CIFAR-10 and MNIST folders in torchvision's real on-disk formats, and
+in-process Hydra composition of moetrain's configs."""
+
+from __future__ import annotations
+
+import gzip
+import pickle
+import struct
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+# Tiny model and run settings that keep any image recipe to a second or two on a CPU.
+TINY_RUN = [
+    "model.dim=16",
+    "model.depth=2",
+    "model.num_heads=2",
+    "model.num_experts=4",
+    "model.expert_hidden_size=32",
+    "trainer.max_steps=3",
+    "trainer.eval_every=2",
+    "trainer.eval_batches=1",
+    "trainer.checkpoint_every=0",
+    "trainer.progress_bar=false",
+    "logger.log_every=1",
+    "data.batch_size=8",
+    "data.eval_batch_size=8",
+    "data.num_workers=0",
+]
+TINY_SYNTHETIC = ["data.train_size=64", "data.eval_size=16"]
+
+
+def _cifar_batch(rng: np.random.Generator, size: int) -> dict:
+    return {
+        "batch_label": "fabricated",
+        "labels": rng.integers(0, 10, size).tolist(),
+        "data": rng.integers(0, 256, (size, 3 * 32 * 32), dtype=np.uint8),  # channel-major rows, as CIFAR
+        "filenames": [f"image_{i}.png" for i in range(size)],
+    }
+
+
+@pytest.fixture(scope="session")
+def cifar10_root(tmp_path_factory) -> Path:
+    """root/cifar-10-batches-py with 5 training batches of 16 images and a test batch of 16."""
+    root = tmp_path_factory.mktemp("cifar10")
+    folder = root / "cifar-10-batches-py"
+    folder.mkdir()
+    rng = np.random.default_rng(10)
+    for name in [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]:
+        with open(folder / name, "wb") as f:
+            pickle.dump(_cifar_batch(rng, 16), f)
+    with open(folder / "batches.meta", "wb") as f:
+        names = ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck"]
+        pickle.dump({"label_names": names, "num_cases_per_batch": 16, "num_vis": 3072}, f)
+    return root
+
+
+def _idx(array: np.ndarray) -> bytes:
+    """The idx format: magic (0, 0, type 0x08 = uint8, number of dims), big-endian sizes, data."""
+    return struct.pack(">I", 0x0800 + array.ndim) + struct.pack(f">{array.ndim}I", *array.shape) + array.tobytes()
+
+
+@pytest.fixture(scope="session")
+def mnist_root(tmp_path_factory) -> Path:
+    """root/MNIST/raw with 64 training and 16 test digits, as idx files and their .gz archives."""
+    root = tmp_path_factory.mktemp("mnist")
+    raw = root / "MNIST" / "raw"
+    raw.mkdir(parents=True)
+    rng = np.random.default_rng(28)
+    for prefix, size in (("train", 64), ("t10k", 16)):
+        files = {
+            f"{prefix}-images-idx3-ubyte": _idx(rng.integers(0, 256, (size, 28, 28), dtype=np.uint8)),
+            f"{prefix}-labels-idx1-ubyte": _idx(rng.integers(0, 10, size, dtype=np.uint8)),
+        }
+        for name, content in files.items():
+            (raw / name).write_bytes(content)
+            (raw / f"{name}.gz").write_bytes(gzip.compress(content))
+    return root
+
+
+@pytest.fixture
+def compose():
+    """compose(overrides) -> the composed DictConfig, as `moetrain` would build it (no run dir)."""
+    import hydra
+
+    from moetrain import cli
+
+    cli.register_configs()
+
+    def _compose(overrides: list[str]):
+        with hydra.initialize_config_module(config_module=cli.CONFIG_MODULE, version_base="1.3"):
+            return hydra.compose(config_name=cli.CONFIG_NAME, overrides=overrides)
+
+    return _compose

@@ -1,0 +1,191 @@
+"""The trainer: exact resume, non-finite handling, schedule, optimizer groups, checkpoints, TensorBoard."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from moetrain.config import ConfigError, GateConfig, LoggerConfig, NonFinite, OptimConfig, TrainerConfig, moe_kwargs
+from moetrain.data import synthetic
+from moetrain.models import VisionMoE
+from moetrain.moe import is_expert_param
+from moetrain.train import NonFiniteLoss, Trainer, checkpoint, seed_everything
+from moetrain.train.optim import build_optimizer, build_scheduler
+
+
+def tiny_model(gate: GateConfig | None = None) -> VisionMoE:
+    gate = gate or GateConfig(top_k=2, capacity_factor=1.0, jitter_eps=0.1, z_loss_weight=0.001)
+    return VisionMoE(
+        image_size=8, in_channels=3, patch_size=4, num_classes=4, dim=16, depth=2, num_heads=2, num_experts=4,
+        expert_hidden_size=16, moe_every=1, dropout=0.1, moe_kwargs=moe_kwargs(gate),
+    )
+
+
+def make_trainer(run_dir, model=None, tensorboard=False, **trainer_settings) -> Trainer:
+    """A trainer on a 4-class synthetic task of 8x8 images (6 batches of 8 per epoch)."""
+    settings = dict(max_steps=6, eval_every=0, eval_batches=1, checkpoint_every=0, progress_bar=False)
+    settings.update(trainer_settings)
+    seed_everything(0)
+    data = synthetic(num_classes=4, image_size=8, train_size=48, eval_size=16, batch_size=8, eval_batch_size=8)
+    return Trainer(
+        model or tiny_model(),
+        data,
+        trainer=TrainerConfig(**settings),
+        optim=OptimConfig(lr=3e-3, warmup_steps=2),
+        logger=LoggerConfig(tensorboard=tensorboard, log_every=1),
+        run_dir=run_dir,
+        seed=0,
+        run_config={"model": {"name": "tiny"}},
+    )
+
+
+def test_killed_run_resumes_to_the_same_weights(tmp_path):
+    """Dropout, router jitter, two micro-batches per step, epochs crossed: all must line up."""
+    reference = make_trainer(tmp_path / "reference", grad_accum_steps=2)
+    reference.fit()
+
+    killed = make_trainer(tmp_path / "run", grad_accum_steps=2, checkpoint_every=2)
+    train_step = killed._train_step
+
+    def dies_at_step_5(routing):
+        if killed.step == 5:
+            raise KeyboardInterrupt
+        return train_step(routing)
+
+    killed._train_step = dies_at_step_5
+    with pytest.raises(KeyboardInterrupt):
+        killed.fit()
+    assert [p.name for p in checkpoint.checkpoints(tmp_path / "run" / "checkpoints")] == [
+        "step_00000002.pt", "step_00000004.pt"
+    ]
+
+    seed_everything(1)  # a different initialisation: the checkpoint must replace all of it
+    resumed = make_trainer(tmp_path / "run", model=tiny_model(), grad_accum_steps=2, checkpoint_every=2, resume="auto")
+    metrics = resumed.fit()
+    assert metrics["step"] == 6
+    expected = reference.model.state_dict()
+    for name, tensor in resumed.model.state_dict().items():
+        assert torch.equal(tensor, expected[name]), name
+    assert resumed.optimizer.param_groups[0]["lr"] == reference.optimizer.param_groups[0]["lr"]
+
+
+def test_resume_refuses_a_checkpoint_of_another_model(tmp_path):
+    make_trainer(tmp_path, max_steps=1).fit()
+    other = make_trainer(tmp_path, max_steps=2, resume="auto")
+    other.run_config = {"model": {"name": "another"}}
+    with pytest.raises(ConfigError, match="different model config"):
+        other.fit()
+
+
+class NaNAt(nn.Module):
+    """Wraps a model; its `call`-th forward returns NaN logits. Keeps the weights of every call."""
+
+    def __init__(self, model: nn.Module, call: int):
+        super().__init__()
+        self.model, self.call, self.calls, self.weights_before = model, call, 0, []
+
+    def forward(self, images):
+        self.calls += 1
+        self.weights_before.append({k: v.clone() for k, v in self.model.state_dict().items()})
+        logits = self.model(images)
+        return logits * float("nan") if self.calls == self.call else logits
+
+
+def test_nonfinite_loss_stops_naming_the_step_and_leaves_weights_untouched(tmp_path):
+    model = NaNAt(tiny_model(), call=3)
+    trainer = make_trainer(tmp_path, model=model)
+    with pytest.raises(NonFiniteLoss, match="at step 3"):
+        trainer.fit()
+    for name, tensor in model.model.state_dict().items():
+        assert torch.equal(tensor, model.weights_before[2][name]), name
+
+
+def test_nonfinite_loss_skips_the_step_when_configured(tmp_path):
+    model = NaNAt(tiny_model(), call=3)
+    metrics = make_trainer(tmp_path, model=model, on_nonfinite=NonFinite.skip, max_steps=5).fit()
+    assert metrics["skipped_steps"] == 1 and metrics["step"] == 5
+    for name, tensor in model.weights_before[3].items():  # step 3 changed nothing
+        assert torch.equal(tensor, model.weights_before[2][name]), name
+    assert not torch.equal(model.weights_before[2]["head.weight"], model.weights_before[1]["head.weight"])
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    assert math.isfinite(json.loads((tmp_path / "metrics.json").read_text())["train/loss"])
+
+
+def test_learning_rate_warms_up_then_follows_the_cosine():
+    parameter = nn.Parameter(torch.randn(3))
+    cfg = OptimConfig(lr=0.5, warmup_steps=3, min_lr_ratio=0.2)
+    optimizer = torch.optim.SGD([parameter], lr=cfg.lr)
+    scheduler = build_scheduler(optimizer, cfg, max_steps=10)
+    for step in range(10):
+        if step < 3:
+            expected = 0.5 * (step + 1) / 4
+        else:
+            progress = (step - 3) / 7
+            expected = 0.1 + (0.5 - 0.1) * (1 + math.cos(math.pi * progress)) / 2
+        assert optimizer.param_groups[0]["lr"] == pytest.approx(expected), step
+        optimizer.step()
+        scheduler.step()
+
+
+def test_weight_decay_skips_biases_norms_and_expert_biases():
+    model = tiny_model()
+    optimizer = build_optimizer(model, OptimConfig(weight_decay=0.1))
+    decayed = {id(p) for p in optimizer.param_groups[0]["params"]}
+    assert optimizer.param_groups[0]["weight_decay"] == 0.1 and optimizer.param_groups[1]["weight_decay"] == 0.0
+    for name, parameter in model.named_parameters():
+        is_matrix = parameter.ndim >= 3 or (parameter.ndim == 2 and not is_expert_param(parameter))
+        assert (id(parameter) in decayed) == is_matrix, name
+    experts = model.blocks[0].ffn.experts
+    assert id(experts.w1) in decayed and id(experts.b1) not in decayed
+
+
+def test_checkpoints_are_written_whole_and_pruned(tmp_path):
+    for step in (1, 2, 3):
+        checkpoint.save({"step": step, "weights": torch.randn(4)}, tmp_path, step, keep=2)
+    files = checkpoint.checkpoints(tmp_path / "checkpoints")
+    assert [f.name for f in files] == ["step_00000002.pt", "step_00000003.pt"]
+    assert not list((tmp_path / "checkpoints").glob("*.tmp"))
+    assert checkpoint.find("auto", tmp_path) == files[-1]
+    assert checkpoint.find(str(tmp_path), tmp_path / "elsewhere") == files[-1]
+    assert checkpoint.find(str(files[0]), tmp_path) == files[0]
+    assert checkpoint.load(files[-1])["step"] == 3
+    assert checkpoint.find("auto", tmp_path / "new_run") is None
+    with pytest.raises(ConfigError, match="trainer.resume"):
+        checkpoint.find(str(tmp_path / "missing"), tmp_path)
+
+
+def test_tensorboard_events_hold_every_tag_with_finite_values(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from tensorboard.plugins.hparams import plugin_data_pb2
+
+    trainer = make_trainer(tmp_path, tensorboard=True, max_steps=4, eval_every=2)
+    trainer.run_config = {"optim": {"lr": 0.003}, "name": "tiny", "model": {"name": "tiny"}}
+    trainer.fit()
+    events = EventAccumulator(str(tmp_path), size_guidance={"scalars": 0, "histograms": 0, "tensors": 0})
+    events.Reload()
+    scalars = set(events.Tags()["scalars"])
+    layers = [name for name in trainer.moe_layers]
+    assert layers == ["blocks.0.ffn", "blocks.1.ffn"]
+    expected = {"train/loss", "train/aux_loss", "train/lr", "train/samples_per_sec", "eval/loss", "eval/accuracy"}
+    expected |= {f"moe/{layer}/dropped_fraction" for layer in layers}
+    assert expected <= scalars
+    for tag in expected:
+        values = [event.value for event in events.Scalars(tag)]
+        assert values and all(math.isfinite(v) for v in values), tag
+    assert len(events.Scalars("train/loss")) == 4 and len(events.Scalars("eval/accuracy")) == 2
+    tokens_per_step = 8 * (4 + 1) * 2  # batch * (patches + class token) * top_k
+    for layer in layers:
+        histograms = events.Histograms(f"moe/{layer}/tokens_per_expert")
+        assert len(histograms) == 4
+        for histogram in histograms:
+            assert sum(histogram.histogram_value.bucket) == tokens_per_step
+            assert len(histogram.histogram_value.bucket) == 4  # one bar per expert
+    content = events.PluginTagToContent("hparams")
+    assert {"_hparams_/experiment", "_hparams_/session_start_info"} <= set(content)
+    start = plugin_data_pb2.HParamsPluginData.FromString(content["_hparams_/session_start_info"])
+    assert start.session_start_info.hparams["optim.lr"].number_value == pytest.approx(0.003)
+    assert start.session_start_info.hparams["name"].string_value == "tiny"
