@@ -22,6 +22,7 @@ from moetrain.quant.formats import FP8_BLOCK, WeightFormat, dequantize_fp8_group
 
 # How each format's activations are grouped for FP8 quantization (0: the whole row, per token).
 ACTIVATION_GROUP = {"fp8": 0, "fp8_block": FP8_BLOCK}
+ALIGN = 16  # rows per expert in an FP8 GEMM must be a multiple of this
 
 
 def fast_path(fmt: WeightFormat, n: int, k: int) -> str:
@@ -58,6 +59,42 @@ def _scaled_mm(fmt: WeightFormat, xq_RK: torch.Tensor, x_scale: torch.Tensor, q:
     # cuBLAS reads 1x128 activation scales K-block-major and 128x128 weight scales as [Kb, Nb].
     return torch._scaled_mm(xq_RK, q["data"].t(), scale_a=x_scale.t().contiguous().t(), scale_b=q["scale"].t(),
                             out_dtype=torch.bfloat16)
+
+
+def _round_up(rows: int) -> int:
+    return -(-rows // ALIGN) * ALIGN
+
+
+def per_expert_scaled_mm(fmt: WeightFormat, xq_RK: torch.Tensor, scale: torch.Tensor, q_G: dict[str, torch.Tensor],
+                         segments: list[tuple[int, int, int]], y_RN: torch.Tensor) -> None:
+    """One torch._scaled_mm per (expert g, first row, row count) segment, into y_RN's rows.
+
+    cuBLAS's FP8 GEMMs refuse row counts that are not multiples of 16 (CUBLAS_STATUS_NOT_SUPPORTED),
+    so unless they already are, the rows are copied into a buffer A in which every expert's block
+    starts on a multiple of 16 and is padded to one with zero rows (scale 1), never read back."""
+    if all(start % ALIGN == 0 and count % ALIGN == 0 for _, start, count in segments):
+        for g, start, count in segments:
+            rows = slice(start, start + count)
+            q = {name: t[g] for name, t in q_G.items()}
+            y_RN[rows] = _scaled_mm(fmt, xq_RK[rows], scale[rows], q).to(y_RN.dtype)
+        return
+    aligned_starts, total = [], 0
+    for _, _, count in segments:
+        aligned_starts.append(total)
+        total += _round_up(count)
+    source_N = torch.cat([torch.arange(start, start + count) for _, start, count in segments]).to(xq_RK.device)
+    target_N = torch.cat([torch.arange(a, a + count) for a, (_, _, count) in zip(aligned_starts, segments)]).to(xq_RK.device)
+    # FP8 is indexed as bytes: the same copy, and every torch version supports uint8 indexing.
+    xq_AK = xq_RK.new_zeros(total, xq_RK.size(1), dtype=torch.uint8)
+    xq_AK[target_N] = xq_RK.view(torch.uint8)[source_N]
+    xq_AK = xq_AK.view(xq_RK.dtype)
+    scale_A = scale.new_ones(total, scale.size(1))
+    scale_A[target_N] = scale[source_N]
+    out_AN = y_RN.new_empty(total, y_RN.size(1), dtype=torch.bfloat16)
+    for a, (g, _, count) in zip(aligned_starts, segments):
+        rows = slice(a, a + _round_up(count))
+        out_AN[rows] = _scaled_mm(fmt, xq_AK[rows], scale_A[rows], {name: t[g] for name, t in q_G.items()})
+    y_RN[source_N] = out_AN[target_N].to(y_RN.dtype)
 
 
 def quantized_matmul(x_RK: torch.Tensor, fmt: WeightFormat, q: dict[str, torch.Tensor], n: int, k: int) -> torch.Tensor:
@@ -98,10 +135,7 @@ def grouped_matmul(x_RK: torch.Tensor, fmt: WeightFormat, q_G: dict[str, torch.T
                 out_dtype=torch.bfloat16,
             ).to(y_RN.dtype)
             return
-        for g, start, count in segments:
-            rows = slice(start, start + count)
-            q = {name: t[g] for name, t in q_G.items()}
-            y_RN[rows] = _scaled_mm(fmt, xq_RK[rows], scale[rows], q).to(y_RN.dtype)
+        per_expert_scaled_mm(fmt, xq_RK, scale, q_G, segments, y_RN)
         return
     for g, start, count in segments:
         rows = slice(start, start + count)
