@@ -62,7 +62,7 @@ class OptimizerName(Enum):
 # Gate-specific settings and the gate types that take them. They default to None: "use the gate's
 # own default", and only the ones that were set are forwarded to the gate.
 GATE_SPECIFIC = {
-    "normalize": ("top", "sigmoid"),
+    "normalize": ("top", "cosine", "sigmoid"),
     "jitter_eps": ("top",),
     "proj_dim": ("cosine",),
     "init_temperature": ("cosine",),
@@ -94,11 +94,21 @@ class GateConfig:
     routed_scaling_factor: Optional[float] = None
 
 
+class ParallelStrategy(Enum):
+    data = "data"  # every rank holds every expert; all gradients averaged over ranks
+    expert = "expert"  # experts sharded over ranks, tokens exchanged by all-to-all
+
+
 @dataclass
 class ParallelConfig:
-    """How many processes share the work (one per GPU, or CPU processes over Gloo)."""
+    """How many processes share the work (one per GPU, or CPU processes over Gloo); docs/distributed.md."""
 
-    nproc_per_node: int = 1
+    nproc_per_node: int = 1  # workers started on this machine (torchrun starts its own instead)
+    strategy: ParallelStrategy = ParallelStrategy.expert
+    adaptive_r: int = 1  # expert strategy: 0 data parallel, 1 expert parallel, r > 1 splits experts over r ranks
+    a2a_ffn_overlap_degree: int = 1  # chunks that overlap the all-to-all with expert compute (GPUs)
+    zero: bool = False  # ZeRO-1: shard the optimizer state of shared (non-expert) parameters
+    backend: Optional[str] = None  # nccl | gloo; null: NCCL on GPUs, Gloo on CPUs
 
 
 @dataclass
@@ -186,7 +196,18 @@ def validate(cfg: Config) -> None:
             f"lower gate.top_k or raise model.num_experts",
         )
     _require(gate.capacity_factor >= 0, f"gate.capacity_factor must be >= 0 (0 = dropless), got {gate.capacity_factor}")
-    _require(cfg.parallel.nproc_per_node >= 1, f"parallel.nproc_per_node must be >= 1, got {cfg.parallel.nproc_per_node}")
+    parallel = cfg.parallel
+    _require(parallel.nproc_per_node >= 1, f"parallel.nproc_per_node must be >= 1, got {parallel.nproc_per_node}")
+    _require(parallel.adaptive_r >= 0, f"parallel.adaptive_r must be >= 0 (0 data parallel, 1 expert parallel), got {parallel.adaptive_r}")
+    _require(parallel.a2a_ffn_overlap_degree >= 1, f"parallel.a2a_ffn_overlap_degree must be >= 1, got {parallel.a2a_ffn_overlap_degree}")
+    _require(parallel.backend in (None, "nccl", "gloo"), f"parallel.backend must be nccl, gloo or null (by device), got {parallel.backend}")
+    ranks = parallel.nproc_per_node
+    if parallel.strategy == ParallelStrategy.expert and ranks > 1 and isinstance(num_experts, int):
+        _require(
+            num_experts % ranks == 0 if num_experts >= ranks else ranks % num_experts == 0,
+            f"model.num_experts={num_experts} cannot be sharded over parallel.nproc_per_node={ranks}: use a "
+            f"multiple or a divisor of {ranks} experts, or parallel.strategy=data",
+        )
     _require(optim.lr > 0, f"optim.lr must be > 0, got {optim.lr}")
     _require(len(optim.betas) == 2, f"optim.betas must hold two numbers, got {list(optim.betas)}")
     _require(optim.warmup_steps >= 0, f"optim.warmup_steps must be >= 0, got {optim.warmup_steps}")

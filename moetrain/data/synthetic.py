@@ -37,7 +37,7 @@ def synthetic(
     in_channels: int = 3,
     train_size: int = 20000,
     eval_size: int = 2000,
-    noise: float = 1.0,
+    noise: float = 2.0,
     max_shift: int = 2,
     seed: int = 0,
     batch_size: int = 64,
