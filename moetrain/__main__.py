@@ -2,4 +2,6 @@
 
 from moetrain.cli import main
 
-main()
+# Guarded: worker processes (parallel.nproc_per_node > 1) re-import the main module when they start.
+if __name__ == "__main__":
+    main()

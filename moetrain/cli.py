@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import logging
+import os
 import sys
 import types
 import typing
@@ -28,6 +29,7 @@ from pathlib import Path
 
 import hydra
 import torch
+import torch.distributed as dist
 from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
 from hydra._internal.utils import _locate, get_args_parser
 from hydra.core.config_store import ConfigStore
@@ -36,10 +38,13 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import HydraException, InstantiationException, MissingConfigException
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException, ValidationError
+from torch.multiprocessing import ProcessExitedException
 
 from moetrain.config import Config, ConfigError, did_you_mean, moe_kwargs, validate
 from moetrain.data import DataModule
-from moetrain.train import NonFiniteLoss, Trainer, seed_everything
+from moetrain.parallel.launch import choose_backend, init_from_torchrun, spawn
+from moetrain.parallel.training import Distributed
+from moetrain.train import NonFiniteLoss, Trainer, resolve_device, seed_everything
 
 log = logging.getLogger(__name__)
 
@@ -244,8 +249,9 @@ def build(config: Config) -> tuple[DataModule, torch.nn.Module]:
     return data, model
 
 
-def train(cfg: DictConfig, run_dir: Path) -> dict:
-    """Build data, model and trainer from the composed config, train in run_dir, return the final metrics."""
+def train(cfg: DictConfig, run_dir: Path, distributed: bool = False) -> dict:
+    """Build data, model and trainer from the composed config, train in run_dir, return the final metrics.
+    distributed: this process is one rank of an initialised process group."""
     config = checked(cfg)
     log.info("run directory %s", run_dir)
     data, model = build(config)
@@ -259,6 +265,7 @@ def train(cfg: DictConfig, run_dir: Path) -> dict:
         run_dir=run_dir,
         seed=config.seed,
         run_config=OmegaConf.to_container(cfg, resolve=True, enum_to_str=True),
+        strategy=Distributed(config.parallel) if distributed else None,
     )
     return trainer.fit()
 
@@ -268,13 +275,71 @@ def _fail(message: str, code: int) -> typing.NoReturn:
     sys.exit(code)
 
 
+def _train_reporting(cfg: DictConfig, run_dir: Path, distributed: bool, report: bool = True) -> None:
+    """train(), turning a config mistake or a diverged run into its exit code (and, when report,
+    its one line: in several processes only rank 0 reports, the others exit with the same code)."""
+    try:
+        train(cfg, run_dir, distributed)
+    except (ConfigError, NonFiniteLoss) as error:
+        code = EXIT_CONFIG_ERROR if isinstance(error, ConfigError) else EXIT_TRAINING_FAILED
+        if report:
+            _fail(str(error), code)
+        sys.exit(code)
+
+
+# ---- several processes --------------------------------------------------------------------------
+def _worker_logging(run_dir: Path, is_main: bool) -> None:
+    """Spawned workers start without Hydra's logging: rank 0 logs like a one-process run (console
+    and the run's moetrain.log), the other ranks print warnings only."""
+    root = logging.getLogger()
+    root.handlers.clear()
+    handlers = [logging.StreamHandler()] + ([logging.FileHandler(run_dir / "moetrain.log")] if is_main else [])
+    for handler in handlers:
+        handler.setFormatter(logging.Formatter("[%(asctime)s][%(name)s][%(levelname)s] - %(message)s"))
+        root.addHandler(handler)
+    root.setLevel(logging.INFO if is_main else logging.WARNING)
+
+
+def _spawned_worker(rank: int, world_size: int, cfg: DictConfig, run_dir: Path) -> None:
+    _worker_logging(run_dir, rank == 0)
+    _train_reporting(cfg, run_dir, distributed=True, report=rank == 0)
+
+
+def _launch(cfg: DictConfig, run_dir: Path) -> None:
+    """One process, N spawned workers (parallel.nproc_per_node), or this rank of a torchrun job."""
+    config = checked(cfg)
+    # torchrun tells its processes their place through the environment (only the CLI reads it).
+    torchrun = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    if not torchrun and config.parallel.nproc_per_node == 1:
+        _train_reporting(cfg, run_dir, distributed=False)
+        return
+    try:
+        backend = choose_backend(config.parallel.backend, resolve_device(config.trainer.device).type)
+    except (ValueError, RuntimeError) as error:
+        raise ConfigError(f"parallel.backend: {error}") from None
+    if not torchrun:
+        try:
+            spawn(_spawned_worker, config.parallel.nproc_per_node, args=(cfg, run_dir), backend=backend)
+        except ProcessExitedException as error:  # the worker printed its one line
+            sys.exit(error.exit_code)
+        return
+    init_from_torchrun(backend)
+    try:
+        # Every rank writes into rank 0's run directory (on several machines, pass hydra.run.dir).
+        shared = [str(run_dir)]
+        dist.broadcast_object_list(shared, src=0)
+        if dist.get_rank() != 0:
+            logging.getLogger().setLevel(logging.WARNING)
+        _train_reporting(cfg, Path(shared[0]), distributed=True, report=dist.get_rank() == 0)
+    finally:
+        dist.destroy_process_group()
+
+
 def _task(cfg: DictConfig) -> None:
     try:
-        train(cfg, Path(HydraConfig.get().runtime.output_dir))
+        _launch(cfg, Path(HydraConfig.get().runtime.output_dir))
     except ConfigError as error:
         _fail(str(error), EXIT_CONFIG_ERROR)
-    except NonFiniteLoss as error:
-        _fail(str(error), EXIT_TRAINING_FAILED)
 
 
 def main() -> None:

@@ -153,6 +153,19 @@ def convert(shards: list[dict], world_size: int, expert_parallel: bool | None = 
     return reshard(consolidate(shards), world_size, expert_parallel)
 
 
+def indexed_optimizer_state(named: dict, optimizer: torch.optim.Optimizer, model: nn.Module) -> dict:
+    """A named optimizer state (DistributedOptimizer.state_dict) as `optimizer` itself would save it,
+    for resuming a converted world-size-1 checkpoint with a plain torch optimizer."""
+    names = {param: name for name, param in model.named_parameters()}
+    order = [names[param] for group in optimizer.param_groups for param in group["params"]]
+    index = {name: i for i, name in enumerate(order)}
+    return {
+        "state": {index[name]: state for name, state in named["state"].items() if name in index},
+        "param_groups": [{**saved, "params": [index[names[param]] for param in group["params"]]}
+                         for group, saved in zip(optimizer.param_groups, named["param_groups"])],
+    }
+
+
 # ---------------------------------------------------------------------- files
 
 

@@ -9,6 +9,7 @@ otherwise. Single-machine rendezvous uses a free TCP port on 127.0.0.1 only.
 
 from __future__ import annotations
 
+import os
 import socket
 from datetime import timedelta
 
@@ -69,6 +70,11 @@ def init_from_torchrun(backend: str | None = None) -> torch.device:
 
 
 def _worker(rank: int, world_size: int, port: int, backend: str | None, fn, args) -> None:
+    if choose_backend(backend) == "gloo":
+        # CPU workers share the machine's cores: more threads than cores makes every collective
+        # wait for descheduled threads (steps run many times slower), as torchrun's default of
+        # one thread per worker also avoids.
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
     init_distributed(rank, world_size, port, backend)
     try:
         fn(rank, world_size, *args)

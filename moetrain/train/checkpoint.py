@@ -17,7 +17,8 @@ import torch
 from moetrain.config import ConfigError
 
 CHECKPOINT_DIR = "checkpoints"
-_NAME = re.compile(r"^step_(\d+)\.pt$")
+# A file, or (multi-process runs) a directory with one file per rank: moetrain.parallel.checkpoint.
+_NAME = re.compile(r"^step_(\d+)(\.pt)?$")
 
 
 def rng_state() -> dict:
@@ -67,7 +68,7 @@ def find(resume: str, run_dir: Path) -> Path | None:
         found = checkpoints(Path(run_dir) / CHECKPOINT_DIR)
         return found[-1] if found else None
     path = Path(resume).expanduser()
-    if path.is_file():
+    if path.is_file() or any(path.glob("rank*-of-*.pt")):
         return path
     found = checkpoints(path / CHECKPOINT_DIR) or checkpoints(path)
     if not found:

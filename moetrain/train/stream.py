@@ -5,6 +5,10 @@ so a checkpoint can say exactly where the data stopped and a resumed run continu
 next batch, without reading the skipped ones. The DataLoader gets its own generator so that
 starting an epoch does not draw from torch's global generator (which dropout and router jitter
 use): a resumed run then draws the same random numbers as an uninterrupted one.
+
+With several ranks, each takes every world_size-th item of the epoch's order from its rank on (the
+tail that does not split evenly is dropped, as DistributedSampler(drop_last=True) does), so the
+ranks see disjoint data and the same number of batches.
 """
 
 from __future__ import annotations
@@ -14,9 +18,12 @@ from torch.utils.data import DataLoader, Dataset
 
 
 class BatchStream:
-    def __init__(self, dataset: Dataset, batch_size: int, num_workers: int, seed: int, pin_memory: bool = False):
-        if len(dataset) < batch_size:
-            raise ValueError(f"the training set has {len(dataset)} items, fewer than one batch of {batch_size}")
+    def __init__(self, dataset: Dataset, batch_size: int, num_workers: int, seed: int, pin_memory: bool = False,
+                 rank: int = 0, world_size: int = 1):
+        if len(dataset) // world_size < batch_size:
+            raise ValueError(f"the training set has {len(dataset)} items, fewer than one batch of {batch_size}"
+                             + (f" per rank ({world_size} ranks)" if world_size > 1 else ""))
+        self.rank, self.world_size = rank, world_size
         self.dataset, self.batch_size, self.num_workers = dataset, batch_size, num_workers
         self.seed, self.pin_memory = seed, pin_memory
         self.epoch = 0
@@ -39,6 +46,8 @@ class BatchStream:
 
     def _epoch_batches(self):
         order = torch.randperm(len(self.dataset), generator=torch.Generator().manual_seed(hash((self.seed, self.epoch))))
+        if self.world_size > 1:
+            order = order[self.rank : len(order) - len(order) % self.world_size : self.world_size]
         if hasattr(self.dataset, "set_epoch"):  # per-epoch augmentation (moetrain.data.SeededTransform)
             self.dataset.set_epoch(self.epoch)
         loader = DataLoader(

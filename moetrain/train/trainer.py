@@ -91,7 +91,8 @@ class Trainer:
         self.optimizer = self.strategy.build_optimizer(self.model, optim)
         self.scheduler = build_scheduler(self.optimizer, optim, trainer.max_steps)
         pin = self.device.type == "cuda"
-        self.stream = BatchStream(data.train_set, data.batch_size, data.num_workers, seed, pin_memory=pin)
+        self.stream = BatchStream(data.train_set, data.batch_size, data.num_workers, seed, pin_memory=pin,
+                                  rank=self.strategy.rank, world_size=self.strategy.world_size)
         self.eval_loader = DataLoader(
             data.eval_set,
             batch_size=data.eval_batch_size,
@@ -124,16 +125,15 @@ class Trainer:
         self.step, self.skipped_steps = state["step"], state["skipped_steps"]
 
     def save_checkpoint(self) -> None:
-        if self.strategy.is_main:
-            path = checkpoint.save(self.state_dict(), self.run_dir, self.step, self.cfg.keep_checkpoints)
-            log.info("step %d: checkpoint %s", self.step, path)
+        path = self.strategy.save_checkpoint(self.state_dict(), self.run_dir, self.step, self.cfg.keep_checkpoints)
+        log.info("step %d: checkpoint %s", self.step, path)
 
     def _resume(self) -> None:
         path = checkpoint.find(self.cfg.resume, self.run_dir)
         if path is None:
             log.info("trainer.resume=auto: no checkpoint in %s yet, starting from step 0", self.run_dir)
             return
-        state = checkpoint.load(path)
+        state = self.strategy.load_checkpoint(path)
         if state["config"].get("model") != self.run_config.get("model"):
             raise ConfigError(
                 f"trainer.resume: {path} holds a different model config than this run: "
@@ -186,7 +186,7 @@ class Trainer:
                 routing[name][1] += layer.stats.kept_per_expert
         self.strategy.reduce_gradients(self.model)
         max_norm = self.cfg.grad_clip or math.inf  # with inf, clip_grad_norm_ only measures the norm
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+        grad_norm = self.strategy.clip_grad_norm_(self.model, max_norm)
         # One host sync per step: the update must not happen when anything is non-finite.
         loss_value, aux_value, norm_value = torch.stack([loss_total / accum, aux_total / accum, grad_norm]).tolist()
         if all(math.isfinite(v) for v in (loss_value, aux_value, norm_value)):
