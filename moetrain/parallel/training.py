@@ -56,6 +56,11 @@ class Distributed:
         """The global norm (each expert counted once), the same on every rank; clips to max_norm."""
         return self.optimizer.clip_grad_norm_(max_norm)
 
+    def mean_over_ranks(self, values: torch.Tensor) -> torch.Tensor:
+        total = values.detach().clone()
+        dist.all_reduce(total)
+        return total / self.world_size
+
     # ---- checkpoints: checkpoints/step_<step>/rank<r>-of-<world>.pt ------------------------------
     def save_checkpoint(self, state: dict, run_dir: Path, step: int, keep: int) -> Path:
         directory = Path(run_dir) / checkpoint.CHECKPOINT_DIR / f"step_{step:08d}"

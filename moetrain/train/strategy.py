@@ -34,6 +34,9 @@ class SingleProcess:
     def clip_grad_norm_(self, model: nn.Module, max_norm: float) -> torch.Tensor:
         return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
 
+    def mean_over_ranks(self, values: torch.Tensor) -> torch.Tensor:
+        return values
+
     def save_checkpoint(self, state: dict, run_dir: Path, step: int, keep: int) -> Path:
         return checkpoint.save(state, run_dir, step, keep)
 

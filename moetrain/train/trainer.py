@@ -187,8 +187,10 @@ class Trainer:
         self.strategy.reduce_gradients(self.model)
         max_norm = self.cfg.grad_clip or math.inf  # with inf, clip_grad_norm_ only measures the norm
         grad_norm = self.strategy.clip_grad_norm_(self.model, max_norm)
-        # One host sync per step: the update must not happen when anything is non-finite.
-        loss_value, aux_value, norm_value = torch.stack([loss_total / accum, aux_total / accum, grad_norm]).tolist()
+        # One host sync per step: the update must not happen when anything is non-finite. The losses
+        # are averaged over ranks, so every rank logs and decides alike.
+        losses = self.strategy.mean_over_ranks(torch.stack([loss_total / accum, aux_total / accum]))
+        loss_value, aux_value, norm_value = torch.cat([losses, grad_norm.reshape(1).to(losses)]).tolist()
         if all(math.isfinite(v) for v in (loss_value, aux_value, norm_value)):
             self.optimizer.step()
             update_router_biases(self.model)
