@@ -279,6 +279,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--steps", type=int, default=None, help="timed steps (default 20 on GPU, 10 on CPU)")
     parser.add_argument("--json", default=None, metavar="PATH", help="also write the results as JSON")
     parser.add_argument("--profile", action="store_true", help="print the kernels of the moetrain column's step")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="CPU threads for torch and the C++ kernels (default: torch's); 1 is steadiest on a busy machine")
     args = parser.parse_args(argv)
 
     device = torch.device(args.device)
@@ -289,6 +291,10 @@ def main(argv: list[str] | None = None) -> dict:
     unknown = [name for name in names if name not in known]
     if unknown:
         parser.error(f"--shapes: unknown {unknown} for --device {device.type}; choose from {', '.join(known)}")
+    if args.threads is not None:
+        if args.threads < 1:
+            parser.error(f"--threads must be >= 1, got {args.threads}")
+        torch.set_num_threads(args.threads)
     dtype = DTYPES[args.dtype or ("bf16" if device.type == "cuda" else "fp32")]
     steps = args.steps or (20 if device.type == "cuda" else 10)
     logging.basicConfig(level=logging.INFO, format="%(message)s")  # shows the expert GEMM backend choice
@@ -299,6 +305,7 @@ def main(argv: list[str] | None = None) -> dict:
         "torch": torch.__version__,
         "dtype": str(dtype).replace("torch.", ""),
         "steps": steps,
+        "threads": torch.get_num_threads(),
         "results": [],
     }
     if device.type == "cuda":
@@ -310,7 +317,8 @@ def main(argv: list[str] | None = None) -> dict:
                                       and "ms" in v), flush=True)
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    print(f"\n{report['device']}, torch {report['torch']}, {report['dtype']}, {report['date']}")
+    threads = f", {report['threads']} threads" if device.type == "cpu" else ""
+    print(f"\n{report['device']}, torch {report['torch']}, {report['dtype']}{threads}, {report['date']}")
     print(gpu_table(report["results"], report["dense_tflops"]) if device.type == "cuda" else cpu_table(report["results"]))
     if args.json:
         with open(args.json, "w") as f:

@@ -136,7 +136,12 @@ def expert_bias(b_EO: torch.Tensor, counts_E: torch.Tensor, capacity: int | None
         return b_EO.repeat_interleave(capacity, dim=0)
     ends_E = torch.cumsum(counts_E, 0)
     row_expert_R = torch.searchsorted(ends_E, torch.arange(num_rows, device=b_EO.device), right=True)
-    return b_EO[row_expert_R.clamp(max=num_experts - 1)]
+    row_expert_R = row_expert_R.clamp(max=num_experts - 1)
+    if b_EO.device.type == "cpu":
+        # index_select's gradient is index_add_, a plain loop on the CPU: 3-8x faster than the
+        # index_put that indexing's gradient runs (on CUDA index_add_ would use atomics instead).
+        return b_EO.index_select(0, row_expert_R)
+    return b_EO[row_expert_R]
 
 
 def add_expert_bias(y_RO: torch.Tensor, b_EO: torch.Tensor, counts_E: torch.Tensor, capacity: int | None) -> torch.Tensor:
