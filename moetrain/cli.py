@@ -40,8 +40,10 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException, ValidationError
 from torch.multiprocessing import ProcessExitedException
 
-from moetrain.config import Config, ConfigError, did_you_mean, moe_kwargs, validate
+import moetrain
+from moetrain.config import Config, ConfigError, GateType, did_you_mean, moe_kwargs, validate
 from moetrain.data import DataModule
+from moetrain.moe import EXPERTS
 from moetrain.parallel.launch import choose_backend, init_from_torchrun, spawn
 from moetrain.parallel.training import Distributed
 from moetrain.train import NonFiniteLoss, Trainer, resolve_device, seed_everything
@@ -60,8 +62,15 @@ def recipe_names() -> list[str]:
     return sorted(entry.name[: -len(".yaml")] for entry in folder.iterdir() if entry.name.endswith(".yaml"))
 
 
+def _names(kind: str) -> str:
+    """${moetrain_names:gates|experts} in the help template: the choices the code knows."""
+    return ", ".join({"gates": [gate.value for gate in GateType], "experts": sorted(EXPERTS)}[kind])
+
+
 def register_configs() -> None:
-    """The typed schema under the primary config, and every recipes/*.yaml as group `recipe`."""
+    """The typed schema under the primary config, every recipes/*.yaml as group `recipe`, and the
+    help template's resolver."""
+    OmegaConf.register_new_resolver("moetrain_names", _names, replace=True)
     store = ConfigStore.instance()
     store.store(name="moetrain_schema", node=Config)
     folder = resources.files("moetrain.recipes")
@@ -343,6 +352,9 @@ def _task(cfg: DictConfig) -> None:
 
 
 def main() -> None:
+    if "--version" in sys.argv[1:]:  # before Hydra's parser, whose --version prints Hydra's own
+        print(f"moetrain {moetrain.__version__} (torch {torch.__version__}, hydra-core {hydra.__version__})")
+        return
     register_configs()
     args = get_args_parser().parse_args()
     if args.config_path or args.config_name:

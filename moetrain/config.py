@@ -11,9 +11,12 @@ dataclasses (or the plain dictionaries), never Hydra objects.
 from __future__ import annotations
 
 import difflib
+import importlib
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Dict, List, Optional
+
+from moetrain.moe import Gate
 
 
 class ConfigError(ValueError):
@@ -92,6 +95,11 @@ class GateConfig:
     n_group: Optional[int] = None
     topk_group: Optional[int] = None
     routed_scaling_factor: Optional[float] = None
+    # Your own gate (docs/extending.md): the dotted path of a moetrain.moe.Gate subclass, used
+    # instead of `type` and the built-in types' keys above, and its constructor arguments
+    # (+gate.kwargs.NAME=VALUE).
+    _target_: Optional[str] = None
+    kwargs: Dict[str, Any] = field(default_factory=dict)
 
 
 class ParallelStrategy(Enum):
@@ -158,11 +166,30 @@ class Config:
     logger: LoggerConfig = field(default_factory=LoggerConfig)
 
 
+def gate_class(path: str) -> type[Gate]:
+    """The Gate subclass that gate._target_ names; raises ConfigError when it cannot be used."""
+    module_name, _, class_name = path.rpartition(".")
+    try:
+        cls = getattr(importlib.import_module(module_name), class_name)
+    except (ImportError, AttributeError, ValueError) as error:
+        raise ConfigError(
+            f"gate._target_={path} cannot be imported ({error}): give the dotted path of a Gate subclass in an "
+            f"importable module (installed, or its folder on PYTHONPATH)"
+        ) from None
+    if not (isinstance(cls, type) and issubclass(cls, Gate)):
+        raise ConfigError(f"gate._target_={path} is not a moetrain.moe.Gate subclass (see docs/extending.md)")
+    return cls
+
+
 def moe_kwargs(gate: GateConfig) -> dict:
     """The keyword arguments every MoELayer of the model receives (the models' `moe_kwargs`)."""
-    gate_kwargs = {key: getattr(gate, key) for key in GATE_SPECIFIC if getattr(gate, key) is not None}
+    if gate._target_ is not None:
+        gate_choice, gate_kwargs = gate_class(gate._target_), dict(gate.kwargs)
+    else:
+        gate_choice = gate.type.value
+        gate_kwargs = {key: getattr(gate, key) for key in GATE_SPECIFIC if getattr(gate, key) is not None}
     return {
-        "gate": gate.type.value,
+        "gate": gate_choice,
         "top_k": gate.top_k,
         "capacity_factor": gate.capacity_factor,
         "balance_loss_weight": gate.balance_loss_weight,
@@ -181,12 +208,17 @@ def _require(condition: bool, message: str) -> None:
 def validate(cfg: Config) -> None:
     """Checks across keys and on value ranges; raises ConfigError with a one-line fix."""
     gate, trainer, optim = cfg.gate, cfg.trainer, cfg.optim
-    for key, types in GATE_SPECIFIC.items():
-        _require(
-            getattr(gate, key) is None or gate.type.value in types,
-            f"gate.{key} applies to gate.type={'|'.join(types)} only, not {gate.type.value}: "
-            f"remove it or pick one of those gate types",
-        )
+    if gate._target_ is not None:
+        gate_class(gate._target_)
+    else:
+        _require(not gate.kwargs, "gate.kwargs are constructor arguments of your own gate: set "
+                 "gate._target_=your_module.YourGate as well, or use the built-in types' keys (gate.normalize, ...)")
+        for key, types in GATE_SPECIFIC.items():
+            _require(
+                getattr(gate, key) is None or gate.type.value in types,
+                f"gate.{key} applies to gate.type={'|'.join(types)} only, not {gate.type.value}: "
+                f"remove it or pick one of those gate types",
+            )
     _require(gate.top_k >= 1, f"gate.top_k must be >= 1, got {gate.top_k}")
     num_experts = cfg.model.get("num_experts")
     if isinstance(num_experts, int):
