@@ -247,9 +247,9 @@ def _error_checks(results):
     world = dist.get_world_size()
     messages = {}
     for label, build in {
-        "experts not divisible": lambda: parallelize(TinyMoEModel(world + 1)),
-        "r not valid": lambda: parallelize(TinyMoEModel(world // 2), adaptive_r=3),
-        "r without replicas": lambda: parallelize(TinyMoEModel(2 * world), adaptive_r=2),
+        "experts not divisible": lambda: parallelize(TinyMoEModel(world + 1).to(DEVICE)),
+        "r not valid": lambda: parallelize(TinyMoEModel(world // 2).to(DEVICE), adaptive_r=3),
+        "r without replicas": lambda: parallelize(TinyMoEModel(2 * world).to(DEVICE), adaptive_r=2),
     }.items():
         try:
             build()

@@ -215,9 +215,10 @@ def parallelize(model: nn.Module, adaptive_r: int = 1, a2a_ffn_overlap_degree: i
         if layer.num_experts not in layouts:
             layouts[layer.num_experts] = ExpertLayout(layer.num_experts, group)
         layout = layouts[layer.num_experts]
+        strategy = ExpertParallel(layout, adaptive_r, a2a_ffn_overlap_degree)  # checks r before any change
         _keep_local_experts(layer.experts, layout)
-        layer.parallel = ExpertParallel(layout, adaptive_r, a2a_ffn_overlap_degree)
-        strategies.append(layer.parallel)
+        layer.parallel = strategy
+        strategies.append(strategy)
     if not strategies:
         raise ValueError("parallelize: the model has no MoELayer")
     return strategies
