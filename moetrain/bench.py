@@ -13,7 +13,9 @@ same count for every column. Step time: median of CUDA-event timings after warm-
 
 `--device cpu` runs scaled-down shapes and compares the C++ kernel path with the pure-torch path
 (impl="torch") and the naive loop as time ratios (absolute CPU times mean little on a shared
-machine). `--json PATH` writes every number; `--shapes` and `--dtype` select what runs.
+machine; `--threads 1` is the steadiest there). `--json PATH` writes every number; `--shapes` and
+`--dtype` select what runs; `--profile` prints where a moetrain step spends its time and which
+lines make the host wait for the GPU.
 
 Shape letters: T tokens, D model dim, H expert hidden size, E experts, K choices per token.
 """
@@ -216,8 +218,7 @@ def bench_shape(shape: Shape, device: torch.device, dtype: torch.dtype, capacity
     columns: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {"moetrain": layer}
     if device.type == "cuda":
         columns["moetrain_dropless"] = lambda x: layer(x, capacity_factor=0)
-        baseline = GroupedMMBaseline(layer)
-        columns["grouped_mm"] = baseline
+        columns["grouped_mm"] = GroupedMMBaseline(layer)
     else:
         torch_layer = build_layer(shape, device, dtype, capacity_factor, impl="torch")
         torch_layer.load_state_dict(layer.state_dict())
