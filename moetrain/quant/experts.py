@@ -33,7 +33,7 @@ class FormatStack(nn.Module):
         self.experts = list(experts)
         self.n, self.k = n, k
         # Allocate from one zero matrix's quantized layout; quantize() or load_state_dict() fills it.
-        layout = fmt.quantize(torch.zeros(n, k))
+        layout = fmt.quantize(torch.zeros(n, k, device=device))
         for name, tensor in layout.items():
             self.register_buffer(name, tensor.new_empty((len(experts),) + tuple(tensor.shape), device=device))
 
