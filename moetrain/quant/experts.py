@@ -60,7 +60,9 @@ class QuantizedWeight(nn.Module):
         by_format: dict[str, list[int]] = {}
         for expert, name in enumerate(formats):
             by_format.setdefault(get_format(name).name, []).append(expert)
-        self.stacks = nn.ModuleDict({name: FormatStack(get_format(name), experts, n, k, device) for name, experts in by_format.items()})
+        self.stacks = nn.ModuleDict(
+            {name: FormatStack(get_format(name), experts, n, k, device) for name, experts in by_format.items()}
+        )
 
     def quantize(self, w_EKN: torch.Tensor) -> None:
         """w_EKN: the float experts' weight as they multiply it (x @ w[e])."""

@@ -57,7 +57,8 @@ class QuantPolicy:
 
 
 @torch.no_grad()
-def calibrate(model: nn.Module, batches: Iterable, run: Callable[[nn.Module, object], object] | None = None) -> list[torch.Tensor]:
+def calibrate(model: nn.Module, batches: Iterable,
+              run: Callable[[nn.Module, object], object] | None = None) -> list[torch.Tensor]:
     """Tokens routed to each expert of every MoE layer over the batches (model order, int64 [E]).
 
     run(model, batch) runs one forward pass; by default model(batch)."""
