@@ -34,6 +34,8 @@ def test_tiny_lm_recipes_train_and_report_perplexity(tmp_path):
         metrics = json.loads((tmp_path / str(job) / "metrics.json").read_text())
         assert metrics["step"] == 3
         assert metrics["eval/perplexity"] == pytest.approx(math.exp(metrics["eval/loss"]))
+        assert metrics["train/tokens_per_sec"] == pytest.approx(64 * metrics["train/samples_per_sec"])  # seq_len 64
+        assert "train/mfu" not in metrics  # a CPU has no known peak
         # Three steps from a random start: the loss is still near ln(vocab), far from nonsense.
         assert 0.5 * math.log(256) < metrics["eval/loss"] < 1.5 * math.log(256)
 

@@ -28,6 +28,7 @@ from tqdm import tqdm
 
 from moetrain.config import ConfigError, Device, LoggerConfig, NonFinite, OptimConfig, Precision, TrainerConfig
 from moetrain.data import DataModule
+from moetrain.models.throughput import training_throughput
 from moetrain.moe import MoELayer, update_router_biases
 from moetrain.train import checkpoint
 from moetrain.train.metrics import TensorBoard
@@ -246,6 +247,12 @@ class Trainer:
                     "train/grad_norm": grad_norm,
                     "train/samples_per_sec": samples_per_step * len(window_losses) / window_seconds,
                 })
+                seq_len = self.data.model_inputs.get("max_seq_len")
+                if self.data.task == "language_modeling" and seq_len:  # tokens/s, and MFU on a GPU of known peak
+                    throughput = training_throughput(
+                        self.model, metrics["train/samples_per_sec"], seq_len, self.device, self.strategy.world_size
+                    )
+                    metrics.update({f"train/{key}": value for key, value in throughput.items()})
                 bar.set_postfix(loss=f"{metrics['train/loss']:.4f}", samples_s=f"{metrics['train/samples_per_sec']:.0f}")
                 if board is not None:
                     board.scalars({k: v for k, v in metrics.items() if k.startswith("train/")}, self.step)
