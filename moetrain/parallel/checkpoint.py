@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from moetrain.moe import MoELayer
+from moetrain.parallel.layout import placement
 
 SHARD_NAME = "rank{rank:05d}-of-{world:05d}.pt"
 _SHARD_PATTERN = re.compile(r"rank(\d{5})-of-(\d{5})\.pt")
@@ -47,16 +48,6 @@ def parallel_metadata(model: nn.Module, world_size: int, rank: int) -> dict:
         raise ValueError("all MoE layers must be parallelized the same way to be checkpointed")
     return {"world_size": world_size, "rank": rank, "expert_parallel": bool(sharded and sharded[0]),
             "experts": experts}
-
-
-def placement(num_experts: int, world_size: int, rank: int) -> slice:
-    """Rows of the full [E, ...] expert tensor stored on `rank` under expert parallelism (layout.py)."""
-    if num_experts >= world_size and num_experts % world_size or num_experts < world_size and world_size % num_experts:
-        raise ValueError(f"cannot place {num_experts} experts on {world_size} ranks: the expert count must be a "
-                         f"multiple or a divisor of the world size")
-    local = max(num_experts // world_size, 1)
-    first = rank // max(world_size // num_experts, 1) * local
-    return slice(first, first + local)
 
 
 def check_world_size(shard: dict, world_size: int, source: str = "CHECKPOINT_DIR") -> None:

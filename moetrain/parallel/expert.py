@@ -198,7 +198,7 @@ def _keep_local_experts(experts: Experts, layout: ExpertLayout) -> None:
                                  f"needs every expert parameter stacked as [num_experts={layout.num_experts}, ...]")
             full = param.detach().clone()
             dist.broadcast(full, layout.ranks[0], group=layout.group)
-            local = nn.Parameter(full[layout.local_slice()].clone(), requires_grad=param.requires_grad)
+            local = nn.Parameter(full[layout.local_slice].clone(), requires_grad=param.requires_grad)
             setattr(module, name, mark_expert(local))
 
 

@@ -25,6 +25,19 @@ from __future__ import annotations
 import torch.distributed as dist
 
 
+def placement(num_experts: int, world_size: int, rank: int) -> slice:
+    """The rows of the full [E, ...] expert tensors that `rank` stores (see the top of this file)."""
+    if num_experts >= world_size and num_experts % world_size:
+        raise ValueError(f"num_experts={num_experts} must be divisible by the number of ranks {world_size} "
+                         f"(or divide it); valid expert counts are multiples or divisors of {world_size}")
+    if num_experts < world_size and world_size % num_experts:
+        raise ValueError(f"num_experts={num_experts} must divide the number of ranks {world_size} when it is "
+                         f"smaller (or be a multiple of it)")
+    local = max(num_experts // world_size, 1)
+    first = rank // max(world_size // num_experts, 1) * local
+    return slice(first, first + local)
+
+
 class ExpertLayout:
     """Placement of num_experts experts on the ranks of `group`; build it on every rank, together
     (it creates process groups, a collective call)."""
@@ -38,22 +51,16 @@ class ExpertLayout:
         self.world_size = len(self.ranks)
         self.rank = dist.get_rank(group)
         world, experts = self.world_size, num_experts
-        if experts >= world and experts % world:
-            raise ValueError(f"num_experts={experts} must be divisible by the number of ranks {world} "
-                             f"(or divide it); valid expert counts are multiples or divisors of {world}")
-        if experts < world and world % experts:
-            raise ValueError(f"num_experts={experts} must divide the number of ranks {world} when it is smaller "
-                             f"(or be a multiple of it)")
+        self.local_slice = placement(experts, world, self.rank)  # checks that the experts divide
         self.num_experts = experts
         self.local_experts = max(experts // world, 1)
         self.replicas = max(world // experts, 1)
-        self.first_expert = (self.rank // self.replicas) * self.local_experts
         self.valid_r = [0] + [r for r in range(1, self.replicas + 1) if self.replicas % r == 0]
 
         # Ranks that hold the same expert (their gradients are summed; None: no replicas), and one
         # expert-parallel group per r.
-        self.replica_group = None if self.replicas == 1 else self._my_group([self.ranks[e * self.replicas:(e + 1) * self.replicas]
-                                             for e in range(world // self.replicas)])
+        self.replica_group = None if self.replicas == 1 else self._my_group(
+            [self.ranks[e * self.replicas:(e + 1) * self.replicas] for e in range(experts)])
         self._expert_groups = {}
         for r in self.valid_r[1:]:
             members = [[self.ranks[i] for i in range(world) if (i % self.replicas) // r == q]
@@ -79,12 +86,3 @@ class ExpertLayout:
     def shard_index(self, r: int) -> int:
         """Which of the r hidden slices of its expert this rank computes under degree r >= 1."""
         return (self.rank % self.replicas) % r
-
-    def local_slice(self) -> slice:
-        """This rank's rows of the full [E, ...] expert tensors."""
-        return slice(self.first_expert, self.first_expert + self.local_experts)
-
-    def owner_ranks(self, expert: int) -> list[int]:
-        """Group-local ranks storing `expert` (its replicas)."""
-        first = expert // self.local_experts * self.replicas
-        return list(range(first, first + self.replicas))

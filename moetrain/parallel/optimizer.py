@@ -49,12 +49,11 @@ def _by_dtype(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
     return list(buckets.values())
 
 
-def _all_reduce_coalesced(tensors: list[torch.Tensor], group, scale: float, communicate: bool) -> None:
+def _all_reduce_coalesced(tensors: list[torch.Tensor], group, scale: float) -> None:
     """Sum each tensor over `group` (in place) through one flat buffer per dtype, then scale."""
     for bucket in _by_dtype(tensors):
         flat = _flatten_dense_tensors(bucket)
-        if communicate:
-            dist.all_reduce(flat, group=group)
+        dist.all_reduce(flat, group=group)
         flat.mul_(scale)
         for tensor, reduced in zip(bucket, _unflatten_dense_tensors(flat, bucket)):
             tensor.copy_(reduced)
@@ -155,11 +154,16 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     @torch.no_grad()
     def _reduce(self, params: list[nn.Parameter], group, scale: float, communicate: bool = True) -> None:
+        if not communicate:  # experts without replicas: only the 1/W of the mean, in place (no copy)
+            for param in params:
+                if param.grad is not None:
+                    param.grad.mul_(scale)
+            return
         # A parameter unused on some ranks still takes part in the reduction: zeros stand in for
         # its missing gradient; one that no rank used keeps grad None (the optimizer skips it).
         used = torch.tensor([param.grad is not None for param in params], dtype=torch.int32,
                             device=params[0].device if params else None)
-        if communicate and params:
+        if params:
             dist.all_reduce(used, op=dist.ReduceOp.MAX, group=group)
         taking_part = []
         for param, any_rank in zip(params, used.tolist()):
@@ -167,7 +171,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 param.grad = torch.zeros_like(param)
             if any_rank:
                 taking_part.append(param.grad)
-        _all_reduce_coalesced(taking_part, group, scale, communicate)
+        _all_reduce_coalesced(taking_part, group, scale)
 
     @torch.no_grad()
     def reduce_gradients(self) -> None:
