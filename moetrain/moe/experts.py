@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moetrain.ops.grouped import expert_bias, expert_matmul
+from moetrain.ops.grouped import add_expert_bias, expert_matmul
 
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {"relu": F.relu, "gelu": F.gelu, "silu": F.silu}
 
@@ -72,11 +72,8 @@ class FFNExperts(Experts):
         self.b2 = mark_expert(nn.Parameter(torch.zeros(num_experts, model_dim)))
 
     def forward(self, x_RD, counts_E, capacity):
-        rows = x_RD.size(0)
-        h_RH = expert_matmul(x_RD, self.w1, counts_E, capacity)
-        h_RH = self.act(h_RH + expert_bias(self.b1, counts_E, capacity, rows).to(h_RH.dtype))
-        y_RD = expert_matmul(h_RH, self.w2, counts_E, capacity)
-        return y_RD + expert_bias(self.b2, counts_E, capacity, rows).to(y_RD.dtype)
+        h_RH = self.act(add_expert_bias(expert_matmul(x_RD, self.w1, counts_E, capacity), self.b1, counts_E, capacity))
+        return add_expert_bias(expert_matmul(h_RH, self.w2, counts_E, capacity), self.b2, counts_E, capacity)
 
 
 class SwiGLUExperts(Experts):

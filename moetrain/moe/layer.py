@@ -34,9 +34,15 @@ class RoutingStats:
 
     tokens_per_expert: torch.Tensor  # int64 [E] routing choices per expert, before dropping
     kept_per_expert: torch.Tensor  # int64 [E] choices that got a slot
-    capacity: int  # rows per expert (padded layout), or the largest expert load when dropless
+    padded_capacity: int | None  # rows per expert block in the padded layout, None when packed
     balance_loss: torch.Tensor
     z_loss: torch.Tensor
+
+    @property
+    def capacity(self) -> int:
+        """Rows per expert: the padded block size, or the largest expert's rows when packed.
+        Computed on read, so a forward call on the GPU never waits for it."""
+        return self.padded_capacity if self.padded_capacity is not None else int(self.kept_per_expert.max())
 
     @property
     def dropped_fraction(self) -> float:
@@ -136,7 +142,7 @@ class MoELayer(nn.Module):
         self.stats = RoutingStats(
             tokens_per_expert=plan.load_E.detach(),
             kept_per_expert=plan.counts_E.detach(),
-            capacity=plan.capacity if plan.capacity is not None else int(plan.counts_E.max()),
+            padded_capacity=plan.capacity,
             balance_loss=balance.detach(),
             z_loss=z.detach(),
         )

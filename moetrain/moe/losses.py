@@ -13,9 +13,17 @@ from __future__ import annotations
 import torch
 
 
+def choice_counts(topk_idx_TK: torch.Tensor, num_experts: int, dtype: torch.dtype) -> torch.Tensor:
+    """Routing choices per expert. A scatter-add, unlike torch.bincount, never waits for the GPU."""
+    idx_N = topk_idx_TK.reshape(-1)
+    return torch.zeros(num_experts, dtype=dtype, device=idx_N.device).index_add_(
+        0, idx_N, torch.ones(idx_N.numel(), dtype=dtype, device=idx_N.device)
+    )
+
+
 def balance_loss(probs_TE: torch.Tensor, topk_idx_TK: torch.Tensor) -> torch.Tensor:
     num_experts = probs_TE.size(-1)
-    counts_E = torch.bincount(topk_idx_TK.reshape(-1), minlength=num_experts).to(probs_TE.dtype)
+    counts_E = choice_counts(topk_idx_TK, num_experts, probs_TE.dtype)
     fraction_E = counts_E / topk_idx_TK.numel()
     return num_experts * torch.sum(fraction_E * probs_TE.mean(0))
 

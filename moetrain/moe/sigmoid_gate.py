@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from moetrain.moe.losses import choice_counts
 from moetrain.moe.gates import Gate, GateOutput, register_gate, router_float
 
 
@@ -61,7 +62,7 @@ class SigmoidGate(Gate):
             weight_TK = weight_TK / (weight_TK.sum(-1, keepdim=True) + 1e-20)
         weight_TK = weight_TK * self.routed_scaling_factor
         if self.training and self.bias_update_rate > 0:
-            self.pending_load += torch.bincount(idx_TK.reshape(-1), minlength=self.num_experts).to(self.pending_load)
+            self.pending_load += choice_counts(idx_TK, self.num_experts, self.pending_load.dtype)
         # The balance loss sees the affinities normalised per token (DeepSeek-V3's sequence-wise loss).
         probs_TE = scores_TE / scores_TE.sum(-1, keepdim=True)
         return GateOutput(logits_TE, probs_TE, idx_TK, weight_TK)

@@ -29,8 +29,17 @@ class ExtensionUnavailable(RuntimeError):
 
 
 def _source_dir() -> str:
-    import moetrain.csrc as csrc  # shipped as package data (editable and normal installs)
-
+    """csrc/ as installed (package data moetrain.csrc), or beside moetrain/ in an uninstalled checkout."""
+    try:
+        import moetrain.csrc as csrc
+    except ImportError:
+        checkout = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "csrc")
+        if not os.path.isfile(os.path.join(checkout, "bindings.cpp")):
+            raise ExtensionUnavailable(
+                "moetrain's C++/CUDA sources were not found: install moetrain (pip install --no-build-isolation -e .) "
+                "or run from a checkout that has csrc/"
+            ) from None
+        return checkout
     return os.path.dirname(csrc.__file__)
 
 

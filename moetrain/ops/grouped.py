@@ -98,6 +98,11 @@ def expert_matmul(
     """y[r] = x[r] @ w[expert_of(r)] -> [R, O]; differentiable in x and w."""
     num_experts, in_dim, out_dim = w_EIO.shape
     rows = x_RI.size(0)
+    if torch.is_autocast_enabled(x_RI.device.type):
+        # Autocast does not reach torch._grouped_mm; cast as it would for a matmul, so fp32 master
+        # weights under bf16 autocast still take the grouped GEMM (and bmm sees one dtype).
+        dtype = torch.get_autocast_dtype(x_RI.device.type)
+        x_RI, w_EIO = x_RI.to(dtype), w_EIO.to(dtype)
     chosen = _choose(_check_backend(backend), x_RI, w_EIO, capacity is not None)
     if chosen == "bmm":
         return torch.bmm(x_RI.view(num_experts, capacity, in_dim), w_EIO).view(rows, out_dim)
