@@ -45,7 +45,7 @@ def train(bias_update_rate: float, steps: int, tokens: int, model_dim: int, num_
     return layer, history
 
 
-def main(steps=150, tokens=256, model_dim=16, num_experts=8, bias_update_rate=0.01):
+def main(steps=100, tokens=256, model_dim=16, num_experts=8, bias_update_rate=0.01):
     device = "cuda" if torch.cuda.is_available() else "cpu"
     results = {}
     for rate in (0.0, bias_update_rate):

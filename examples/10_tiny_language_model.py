@@ -38,7 +38,7 @@ def generate(model, prompt_BT: torch.Tensor, new_tokens: int) -> torch.Tensor:
     return tokens_BT
 
 
-def main(steps=200, batch=32, seq_len=24, vocab=64, lr=3e-3):
+def main(steps=100, batch=32, seq_len=24, vocab=64, lr=3e-3):
     torch.manual_seed(0)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model = build_lm("deepseek_v3_tiny", vocab_size=vocab).to(device)
