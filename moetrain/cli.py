@@ -55,6 +55,7 @@ CONFIG_NAME = "config"
 GROUPS = ("model", "gate", "parallel", "data", "optim", "trainer", "logger")
 EXIT_CONFIG_ERROR = 2
 EXIT_TRAINING_FAILED = 1
+EXIT_INTERRUPTED = 130  # the shell's code for Ctrl-C
 
 
 def recipe_names() -> list[str]:
@@ -197,6 +198,7 @@ def checked(cfg: DictConfig) -> Config:
         raise ConfigError(f"'recipe' is not a config key: apply a recipe with +recipe=NAME ({'|'.join(recipe_names())})")
     config: Config = OmegaConf.to_object(cfg)
     validate(config)
+    resolve_device(config.trainer.device)  # trainer.device=cuda without a GPU fails here, not after start-up
     for group in ("model", "data"):
         check_target(group, getattr(config, group))
     return config
@@ -345,10 +347,19 @@ def _launch(cfg: DictConfig, run_dir: Path) -> None:
 
 
 def _task(cfg: DictConfig) -> None:
+    hydra_config = HydraConfig.get()
+    run_dir = Path(hydra_config.runtime.output_dir)
     try:
-        _launch(cfg, Path(HydraConfig.get().runtime.output_dir))
+        _launch(cfg, run_dir)
     except ConfigError as error:
         _fail(str(error), EXIT_CONFIG_ERROR)
+    except KeyboardInterrupt:
+        overrides = [o for o in hydra_config.overrides.task if not o.startswith(("hydra.run.dir=", "trainer.resume="))]
+        _fail(
+            "interrupted; continue from the last checkpoint with: moetrain "
+            + " ".join(overrides + [f"hydra.run.dir={run_dir}", "trainer.resume=auto"]),
+            EXIT_INTERRUPTED,
+        )
 
 
 def main() -> None:

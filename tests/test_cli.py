@@ -120,10 +120,12 @@ ERRORS = [
     (["gate=sigmoid", "gate.jitter_eps=0.1"], "gate.jitter_eps applies to gate.type=top"),
     (["model._target_=nowhere.Model"], "cannot be imported"),
     (["optim.min_lr_ratio=2"], "optim.min_lr_ratio must be in [0, 1]"),
+    pytest.param(["trainer.device=cuda"], "no CUDA GPU is visible",
+                 marks=pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is visible")),
 ]
 
 
-@pytest.mark.parametrize("argv, message", ERRORS, ids=[" ".join(a) for a, _ in ERRORS])
+@pytest.mark.parametrize("argv, message", ERRORS)
 def test_config_mistakes_exit_2_with_one_line(argv, message, monkeypatch, capsys, tmp_path):
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(sys, "argv", ["moetrain", *argv])
@@ -134,6 +136,25 @@ def test_config_mistakes_exit_2_with_one_line(argv, message, monkeypatch, capsys
     assert len(lines) == 1 and lines[0].startswith("moetrain: error: "), lines
     assert message in lines[0]
     assert not (tmp_path / "runs").exists()  # nothing started
+
+
+def test_interrupted_run_says_how_to_resume(monkeypatch, capsys, tmp_path):
+    monkeypatch.chdir(tmp_path)
+    argv = ["+recipe=quickstart", *TINY_RUN, *TINY_SYNTHETIC, "logger=none"]
+    # Hydra leaves Python's logging alone with these, so pytest's capture is not disturbed.
+    monkeypatch.setattr(sys, "argv", ["moetrain", *argv, "hydra/job_logging=none", "hydra/hydra_logging=none"])
+
+    def ctrl_c(trainer):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli.Trainer, "fit", ctrl_c)
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main()
+    assert exit_info.value.code == 130
+    (run_dir,) = (tmp_path / "runs").iterdir()
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith("moetrain: error: interrupted; continue from the last checkpoint with: moetrain ")
+    assert line.endswith(f"{' '.join(argv)} hydra.run.dir={run_dir.resolve()} trainer.resume=auto"), line
 
 
 def test_help_lists_groups_and_recipes(monkeypatch, capsys):
