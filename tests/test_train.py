@@ -189,3 +189,26 @@ def test_tensorboard_events_hold_every_tag_with_finite_values(tmp_path):
     start = plugin_data_pb2.HParamsPluginData.FromString(content["_hparams_/session_start_info"])
     assert start.session_start_info.hparams["optim.lr"].number_value == pytest.approx(0.003)
     assert start.session_start_info.hparams["name"].string_value == "tiny"
+
+
+class RecordsDtype(nn.Module):
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model, self.dtypes = model, set()
+
+    def forward(self, images):
+        logits = self.model(images)
+        self.dtypes.add(logits.dtype)
+        return logits
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_runs_under_bf16_autocast(tmp_path):
+    from moetrain.config import Device
+
+    model = RecordsDtype(tiny_model())
+    metrics = make_trainer(tmp_path, model=model, device=Device.cuda, max_steps=2).fit()
+    assert model.dtypes == {torch.bfloat16}
+    assert next(model.parameters()).device.type == "cuda" and next(model.parameters()).dtype == torch.float32
+    assert math.isfinite(metrics["train/loss"]) and metrics["step"] == 2
