@@ -198,7 +198,6 @@ def checked(cfg: DictConfig) -> Config:
         raise ConfigError(f"'recipe' is not a config key: apply a recipe with +recipe=NAME ({'|'.join(recipe_names())})")
     config: Config = OmegaConf.to_object(cfg)
     validate(config)
-    resolve_device(config.trainer.device)  # trainer.device=cuda without a GPU fails here, not after start-up
     for group in ("model", "data"):
         check_target(group, getattr(config, group))
     return config
@@ -236,7 +235,9 @@ def check_command_line(overrides: list[str], multirun: bool, config_dir: str | N
                 cfg = hydra.compose(config_name=CONFIG_NAME, overrides=list(run))
             except Exception as error:
                 raise ConfigError(_explain(error, list(run))) from None
-            checked(cfg)
+            config = checked(cfg)
+            # The device is checked here, not in checked(): a GPU recipe still composes on a CPU machine.
+            resolve_device(config.trainer.device)
 
 
 # ---- the run ------------------------------------------------------------------------------------
