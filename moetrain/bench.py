@@ -63,10 +63,15 @@ GPU_SHAPES = {
 }
 # Targets from PERFORMANCE.md: (fraction of the dense ceiling, ratio to the grouped_mm baseline).
 TARGETS = {"gshard_2k": (0.60, 1.2), "mixtral": (0.88, 1.0), "deepseek_fg": (0.50, 1.3), "switch_top1": (0.50, 1.25)}
-# Scaled down for a few-core CPU (the two configurations measured in PERFORMANCE.md).
+# For a few-core CPU: the four GPU shapes with tokens and widths divided by 8 (experts and k kept),
+# and the two configurations measured on a 2-core machine in PERFORMANCE.md.
 CPU_SHAPES = {
     shape.name: shape
     for shape in (
+        Shape("gshard_2k/8", 2048, 256, 256, 8, 2),
+        Shape("mixtral/8", 1024, 512, 1792, 8, 2),
+        Shape("deepseek_fg/8", 1024, 256, 176, 64, 6),
+        Shape("switch_top1/8", 2048, 128, 512, 16, 1),
         Shape("cpu_e8_k2", 2048, 256, 512, 8, 2),
         Shape("cpu_e32_k4", 2048, 256, 128, 32, 4),
     )
