@@ -3,9 +3,10 @@
     moetrain +recipe=quickstart
     moetrain +recipe=switch_cifar10 trainer.max_steps=2000 gate.top_k=2 optim.lr=3e-4
     moetrain -m +recipe=quickstart gate=switch,gshard
+    moetrain +recipe=quickstart mode=eval quant=mxfp4 trainer.resume=runs/RUN quant.export=model.mxfp4.pt
 
 This is the only module that knows Hydra. The configs ship as the package moetrain.conf (groups
-model, gate, parallel, data, optim, trainer, logger) and recipes as moetrain.recipes, registered
+model, gate, parallel, data, optim, trainer, logger, quant) and recipes as moetrain.recipes, registered
 here in the ConfigStore group `recipe` (package _global_) so that `+recipe=NAME` finds them.
 
 Every configuration mistake ends the same way: exit code 2 and one line on stderr that names the
@@ -41,18 +42,19 @@ from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBase
 from torch.multiprocessing import ProcessExitedException
 
 import moetrain
-from moetrain.config import Config, ConfigError, GateType, did_you_mean, moe_kwargs, validate
+from moetrain.config import Config, ConfigError, GateType, Mode, did_you_mean, moe_kwargs, validate
 from moetrain.data import DataModule
 from moetrain.moe import EXPERTS
 from moetrain.parallel.launch import choose_backend, init_from_torchrun, spawn
 from moetrain.parallel.training import Distributed
 from moetrain.train import NonFiniteLoss, Trainer, resolve_device, seed_everything
+from moetrain.train.quantized import evaluate_quantized
 
 log = logging.getLogger(__name__)
 
 CONFIG_MODULE = "moetrain.conf"
 CONFIG_NAME = "config"
-GROUPS = ("model", "gate", "parallel", "data", "optim", "trainer", "logger")
+GROUPS = ("model", "gate", "parallel", "data", "optim", "trainer", "logger", "quant")
 EXIT_CONFIG_ERROR = 2
 EXIT_TRAINING_FAILED = 1
 EXIT_INTERRUPTED = 130  # the shell's code for Ctrl-C
@@ -256,13 +258,17 @@ def build(config: Config) -> tuple[DataModule, torch.nn.Module]:
     data fixes the model's input and output sizes unless the model config sets them itself."""
     seed_everything(config.seed)
     data = _instantiate("data", config.data)
+    return data, build_model(config, data)
+
+
+def build_model(config: Config, data: DataModule) -> torch.nn.Module:
     model_inputs = {key: value for key, value in data.model_inputs.items() if key not in config.model}
-    model = _instantiate("model", config.model, **model_inputs, moe_kwargs=moe_kwargs(config.gate))
-    return data, model
+    return _instantiate("model", config.model, **model_inputs, moe_kwargs=moe_kwargs(config.gate))
 
 
 def train(cfg: DictConfig, run_dir: Path, distributed: bool = False) -> dict:
-    """Build data, model and trainer from the composed config, train in run_dir, return the final metrics.
+    """Build data, model and trainer from the composed config, then (config.mode) train in run_dir,
+    or evaluate trainer.resume's model as trained and quantized; return the final metrics.
     distributed: this process is one rank of an initialised process group."""
     config = checked(cfg)
     log.info("run directory %s", run_dir)
@@ -279,6 +285,8 @@ def train(cfg: DictConfig, run_dir: Path, distributed: bool = False) -> dict:
         run_config=OmegaConf.to_container(cfg, resolve=True, enum_to_str=True),
         strategy=Distributed(config.parallel) if distributed else None,
     )
+    if config.mode == Mode.eval:
+        return evaluate_quantized(trainer, config.quant, lambda: build_model(config, data))
     return trainer.fit()
 
 
@@ -322,6 +330,8 @@ def _launch(cfg: DictConfig, run_dir: Path) -> None:
     config = checked(cfg)
     # torchrun tells its processes their place through the environment (only the CLI reads it).
     torchrun = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    if config.mode == Mode.eval and (torchrun or config.parallel.nproc_per_node > 1):
+        raise ConfigError("mode=eval runs in one process: drop parallel.nproc_per_node (and torchrun)")
     if not torchrun and config.parallel.nproc_per_node == 1:
         _train_reporting(cfg, run_dir, distributed=False)
         return

@@ -17,6 +17,7 @@ from enum import Enum
 from typing import Any, Dict, List, Optional
 
 from moetrain.moe import Gate
+from moetrain.quant import FORMATS
 
 
 class ConfigError(ValueError):
@@ -145,6 +146,25 @@ class TrainerConfig:
     device: Device = Device.auto
     precision: Precision = Precision.auto
     progress_bar: bool = True
+    # torch.compile the model before training: faster steps on GPUs; on a CPU it works but the
+    # first step compiles for a long time. Checkpoints keep the plain model's parameter names.
+    compile: bool = False
+
+
+@dataclass
+class QuantConfig:
+    """Quantized evaluation (mode=eval): the routed experts' weight formats (moetrain.quant)."""
+
+    format: Optional[str] = None  # fp8 | fp8_block | mxfp4 | nvfp4; null = evaluate unquantized only
+    hot_format: Optional[str] = None  # the most used experts' format (per-expert precision)
+    hot_fraction: float = 0.25  # share of each layer's experts that get hot_format
+    calibration_batches: int = 0  # training batches that measure expert use (needed with hot_format)
+    export: Optional[str] = None  # path of a quantized checkpoint to write after quantizing
+
+
+class Mode(Enum):
+    train = "train"  # train (or continue training) the model
+    eval = "eval"  # load trainer.resume, evaluate it, quantized per `quant` and as trained
 
 
 @dataclass
@@ -157,6 +177,7 @@ class LoggerConfig:
 class Config:
     name: str = "moetrain"  # names the run directory: runs/<date>_<time>_<name>
     seed: int = 0
+    mode: Mode = Mode.train
     model: Dict[str, Any] = field(default_factory=dict)
     gate: GateConfig = field(default_factory=GateConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -164,6 +185,7 @@ class Config:
     optim: OptimConfig = field(default_factory=OptimConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
+    quant: QuantConfig = field(default_factory=QuantConfig)
 
 
 def gate_class(path: str) -> type[Gate]:
@@ -250,8 +272,31 @@ def validate(cfg: Config) -> None:
         _require(getattr(trainer, key) >= 0, f"trainer.{key} must be >= 0, got {getattr(trainer, key)}")
     _require(trainer.grad_clip >= 0, f"trainer.grad_clip must be >= 0 (0 = off), got {trainer.grad_clip}")
     _require(cfg.logger.log_every >= 1, f"logger.log_every must be >= 1, got {cfg.logger.log_every}")
+    _validate_quant(cfg)
     for group in ("model", "data"):
         _require(
             isinstance(getattr(cfg, group).get("_target_"), str),
             f"{group} has no _target_: pick a {group} preset ({group}=NAME) or set {group}._target_",
         )
+
+
+def _validate_quant(cfg: Config) -> None:
+    quant, choices = cfg.quant, "|".join(FORMATS)
+    for key in ("format", "hot_format"):
+        value = getattr(quant, key)
+        _require(value is None or value in FORMATS, f"quant.{key} must be one of {choices} or null, got {value!r}"
+                 + did_you_mean(value, FORMATS))
+    _require(quant.hot_format is None or quant.format is not None,
+             "quant.hot_format needs quant.format (the other experts' format) as well")
+    _require(0.0 <= quant.hot_fraction <= 1.0, f"quant.hot_fraction must be in [0, 1], got {quant.hot_fraction}")
+    _require(quant.calibration_batches >= 0, f"quant.calibration_batches must be >= 0, got {quant.calibration_batches}")
+    needs_calibration = quant.hot_format is not None and quant.hot_format != quant.format
+    _require(not needs_calibration or quant.calibration_batches > 0,
+             "quant.hot_format picks the most used experts: set quant.calibration_batches to a number > 0")
+    _require(quant.export is None or quant.format is not None,
+             "quant.export writes a quantized checkpoint: choose a format too (quant=fp8|fp8_block|mxfp4|nvfp4|mixed)")
+    if cfg.mode == Mode.eval:
+        _require(bool(cfg.trainer.resume),
+                 "mode=eval evaluates a trained model: pass trainer.resume=RUN_DIR (a run directory or checkpoint file)")
+    else:
+        _require(quant.format is None, "quant applies to mode=eval: add mode=eval trainer.resume=RUN_DIR, or drop quant")

@@ -88,6 +88,9 @@ class Trainer:
             (lambda: torch.autocast(self.device.type, dtype=torch.bfloat16)) if bf16 else nullcontext
         )
         self.model = model.to(self.device)
+        # Training and evaluation call the compiled wrapper; checkpoints read self.model, so their
+        # keys stay the plain module's (no "_orig_mod." prefix).
+        self.forward = torch.compile(self.model) if trainer.compile else self.model
         self.moe_layers = {name: m for name, m in self.model.named_modules() if isinstance(m, MoELayer)}
         self.optimizer = self.strategy.build_optimizer(self.model, optim)
         self.scheduler = build_scheduler(self.optimizer, optim, trainer.max_steps)
@@ -129,19 +132,38 @@ class Trainer:
         path = self.strategy.save_checkpoint(self.state_dict(), self.run_dir, self.step, self.cfg.keep_checkpoints)
         log.info("step %d: checkpoint %s", self.step, path)
 
-    def _resume(self) -> None:
+    def _load_resume_checkpoint(self) -> tuple[Path, dict] | None:
+        """The checkpoint trainer.resume names, checked against this run's model config."""
         path = checkpoint.find(self.cfg.resume, self.run_dir)
         if path is None:
-            log.info("trainer.resume=auto: no checkpoint in %s yet, starting from step 0", self.run_dir)
-            return
+            return None
         state = self.strategy.load_checkpoint(path)
         if state["config"].get("model") != self.run_config.get("model"):
             raise ConfigError(
                 f"trainer.resume: {path} holds a different model config than this run: "
                 "resume with the model settings of the run that wrote it"
             )
+        return path, state
+
+    def _resume(self) -> None:
+        found = self._load_resume_checkpoint()
+        if found is None:
+            log.info("trainer.resume=auto: no checkpoint in %s yet, starting from step 0", self.run_dir)
+            return
+        path, state = found
         self.load_state_dict(state)
         log.info("resumed from %s at step %d", path, self.step)
+
+    def load_model(self) -> Path:
+        """Only the model weights of trainer.resume's checkpoint (for evaluation); returns its path."""
+        found = self._load_resume_checkpoint()
+        if found is None:
+            raise ConfigError(f"trainer.resume={self.cfg.resume}: no checkpoint in {self.run_dir}: "
+                              "pass trainer.resume=RUN_DIR (a run directory or checkpoint file)")
+        path, state = found
+        self.model.load_state_dict(state["model"])
+        self.step = state["step"]
+        return path
 
     # ---- evaluation --------------------------------------------------------------------------
     @torch.no_grad()
@@ -153,7 +175,7 @@ class Trainer:
                 break
             inputs, targets = inputs.to(self.device), targets.to(self.device)
             with self.autocast():
-                logits = self.model(inputs)
+                logits = self.forward(inputs)
             scored = targets != IGNORE_INDEX
             n = int(scored.sum())
             loss_sum += float(task_loss(logits, targets)) * n
@@ -176,7 +198,7 @@ class Trainer:
             inputs = inputs.to(self.device, non_blocking=True)
             targets = targets.to(self.device, non_blocking=True)
             with self.autocast():
-                logits = self.model(inputs)
+                logits = self.forward(inputs)
                 loss = task_loss(logits, targets)
                 aux = sum((layer.aux_loss for layer in self.moe_layers.values()), torch.zeros((), device=self.device))
             ((loss + aux) / accum).backward()
