@@ -19,6 +19,12 @@ void check_plan(const at::Tensor& dest, int64_t tokens, const char* what) {
               tokens, ", got ", dest.sizes());
 }
 
+// Rows per parallel chunk: about at::internal::GRAIN_SIZE elements, as ATen's own loops use, so a
+// small call runs on one thread instead of paying for a parallel region (costly on a busy machine).
+int64_t grain_rows(int64_t elements_per_row) {
+  return std::max<int64_t>(1, at::internal::GRAIN_SIZE / std::max<int64_t>(1, elements_per_row));
+}
+
 // Inverse of the plan: for each buffer row, the flat entry t*K+k that fills it, or -1.
 std::vector<int64_t> row_sources(const at::Tensor& dest, int64_t num_rows) {
   std::vector<int64_t> source(num_rows, -1);
@@ -81,7 +87,7 @@ at::Tensor dispatch_cpu(const at::Tensor& x_in, const at::Tensor& dest_in, int64
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "moetrain_dispatch", [&] {
     const scalar_t* src = x.data_ptr<scalar_t>();
     scalar_t* dst = buf.data_ptr<scalar_t>();
-    at::parallel_for(0, num_rows, 16, [&](int64_t begin, int64_t end) {
+    at::parallel_for(0, num_rows, grain_rows(dim), [&](int64_t begin, int64_t end) {
       for (int64_t r = begin; r < end; ++r) {
         scalar_t* row = dst + r * dim;
         if (source[r] < 0) {
@@ -117,7 +123,7 @@ at::Tensor combine_cpu(const at::Tensor& buf_in, const at::Tensor& dest_in, cons
     const scalar_t* b = buf.data_ptr<scalar_t>();
     const int64_t* d = dest.data_ptr<int64_t>();
     scalar_t* out = y.data_ptr<scalar_t>();
-    at::parallel_for(0, tokens, 8, [&](int64_t begin, int64_t end) {
+    at::parallel_for(0, tokens, grain_rows(dim * k), [&](int64_t begin, int64_t end) {
       std::vector<acc_t> acc(dim);
       for (int64_t t = begin; t < end; ++t) {
         std::fill(acc.begin(), acc.end(), acc_t(0));
@@ -155,7 +161,7 @@ std::tuple<at::Tensor, at::Tensor> combine_backward_cpu(const at::Tensor& grad_y
     const scalar_t* g = grad_y.data_ptr<scalar_t>();
     const acc_t* w = weight.data_ptr<acc_t>();
     scalar_t* gb = grad_buf.data_ptr<scalar_t>();
-    at::parallel_for(0, num_rows, 16, [&](int64_t begin, int64_t end) {
+    at::parallel_for(0, num_rows, grain_rows(dim), [&](int64_t begin, int64_t end) {
       for (int64_t r = begin; r < end; ++r) {
         scalar_t* row = gb + r * dim;
         const int64_t entry = source[r];
@@ -175,7 +181,7 @@ std::tuple<at::Tensor, at::Tensor> combine_backward_cpu(const at::Tensor& grad_y
       const scalar_t* b = buf.data_ptr<scalar_t>();
       const int64_t* d = dest.data_ptr<int64_t>();
       acc_t* gw = grad_weight.data_ptr<acc_t>();
-      at::parallel_for(0, tokens, 8, [&](int64_t begin, int64_t end) {
+      at::parallel_for(0, tokens, grain_rows(dim * k), [&](int64_t begin, int64_t end) {
         for (int64_t t = begin; t < end; ++t) {
           const scalar_t* gy = g + t * dim;
           for (int64_t j = 0; j < k; ++j) {
