@@ -137,8 +137,8 @@ ERRORS = [
 ]
 
 
-@pytest.mark.parametrize("argv, message", ERRORS)
-def test_config_mistakes_exit_2_with_one_line(argv, message, monkeypatch, capsys, tmp_path):
+def expect_one_line_error(argv, message, monkeypatch, capsys, tmp_path):
+    """The command exits 2 with one 'moetrain: error:' line holding `message`, and starts nothing."""
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(sys, "argv", ["moetrain", *argv])
     with pytest.raises(SystemExit) as exit_info:
@@ -148,6 +148,11 @@ def test_config_mistakes_exit_2_with_one_line(argv, message, monkeypatch, capsys
     assert len(lines) == 1 and lines[0].startswith("moetrain: error: "), lines
     assert message in lines[0]
     assert not (tmp_path / "runs").exists()  # nothing started
+
+
+@pytest.mark.parametrize("argv, message", ERRORS)
+def test_config_mistakes_exit_2_with_one_line(argv, message, monkeypatch, capsys, tmp_path):
+    expect_one_line_error(argv, message, monkeypatch, capsys, tmp_path)
 
 
 def test_interrupted_run_says_how_to_resume(monkeypatch, capsys, tmp_path):

@@ -5,12 +5,11 @@ trainer.compile."""
 from __future__ import annotations
 
 import json
-import sys
 
 import pytest
 import torch
 from conftest import TINY_RUN, TINY_SYNTHETIC
-from test_cli import run_in_process
+from test_cli import expect_one_line_error, run_in_process
 
 from moetrain import cli
 from moetrain.moe import MoELayer
@@ -90,15 +89,7 @@ def test_eval_mode_mixed_precision_calibrates(trained_run, monkeypatch, tmp_path
     (["mode=test"], "bad value for mode"),
 ])
 def test_eval_mistakes_exit_2_with_one_line(argv, message, monkeypatch, capsys, tmp_path):
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(sys, "argv", ["moetrain", *argv])
-    with pytest.raises(SystemExit) as exit_info:
-        cli.main()
-    assert exit_info.value.code == 2
-    lines = capsys.readouterr().err.splitlines()
-    assert len(lines) == 1 and lines[0].startswith("moetrain: error: "), lines
-    assert message in lines[0]
-    assert not (tmp_path / "runs").exists()
+    expect_one_line_error(argv, message, monkeypatch, capsys, tmp_path)
 
 
 def test_compile_wraps_the_forward_and_keeps_plain_checkpoint_keys(compose, tmp_path):
