@@ -51,12 +51,12 @@ def main(tokens=64, model_dim=32, num_experts=16, expert_hidden=16, top_k=4, num
     shared_params = sum(p.numel() for p in layer.shared.parameters())
     active_params = routed_params * top_k // num_experts + shared_params
     print(f"routed experts: {num_experts} x SwiGLU(hidden {expert_hidden}), top_k={top_k}; "
-          f"shared MLP width {layer.shared.up.out_features}")
+          f"shared MLP width {layer.shared.up_proj.out_features}")
     print(f"parameters: routed {routed_params}, shared {shared_params}, active per token {active_params}")
     print(f"max groups used by a token: {groups_per_token} (topk_group=2)")
     print(f"max |y - (naive routed loop + shared MLP)| = {max_diff:.2e}")
     return {"max_diff": max_diff, "groups_per_token": groups_per_token,
-            "shared_width": layer.shared.up.out_features, "expected_shared_width": num_shared_experts * expert_hidden,
+            "shared_width": layer.shared.up_proj.out_features, "expected_shared_width": num_shared_experts * expert_hidden,
             "shared_params_untagged": not any(is_expert_param(p) for p in layer.shared.parameters())}
 
 

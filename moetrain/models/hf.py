@@ -169,8 +169,8 @@ def _moe_sources(ours: str, hf: str, layer: MoELayer, model_type: str) -> dict:
     if model_type in ("deepseek_v3", "kimi_k2"):
         sources[f"{ours}.gate.expert_bias"] = _same(f"{hf_moe}.gate.e_score_correction_bias")
     if layer.shared is not None:
-        for mine, theirs in (("gate", "gate_proj"), ("up", "up_proj"), ("down", "down_proj")):
-            sources[f"{ours}.shared.{mine}.weight"] = _same(f"{hf_moe}.shared_experts.{theirs}.weight")
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            sources[f"{ours}.shared.{name}.weight"] = _same(f"{hf_moe}.shared_experts.{name}.weight")
     return sources
 
 

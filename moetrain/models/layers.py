@@ -17,10 +17,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from moetrain.moe import MoELayer
-from moetrain.moe.experts import activation_fn
 
 NORMS = ("rmsnorm", "layernorm")
-DENSE_FFNS = ("ffn", "swiglu")
 
 # Keys of the dict forwarded to every MoELayer (`moe_kwargs`); the width, expert count, expert
 # type, activation and shared experts are arguments of the model itself.
@@ -51,30 +49,6 @@ def check_moe_kwargs(moe_kwargs: dict | None) -> dict:
     if unknown:
         raise ValueError(f"moe_kwargs has unknown key(s) {unknown}; allowed keys: {list(MOE_KWARGS)}")
     return moe_kwargs
-
-
-class DenseFeedForward(nn.Module):
-    """The dense FFN of non-MoE blocks: "ffn" is Linear-act-Linear with biases (ViT, Switch),
-    "swiglu" is down(act(gate(x)) * up(x)) without biases, act = silu (DeepSeek, Qwen, Mixtral)."""
-
-    def __init__(self, dim: int, hidden_size: int, kind: str = "ffn", activation: str = "gelu"):
-        super().__init__()
-        if kind not in DENSE_FFNS:
-            raise ValueError(f"dense ffn must be one of {DENSE_FFNS}, got {kind!r}")
-        self.kind = kind
-        self.activation = activation_fn(activation)
-        if kind == "ffn":
-            self.fc1 = nn.Linear(dim, hidden_size)
-            self.fc2 = nn.Linear(hidden_size, dim)
-        else:
-            self.gate_proj = nn.Linear(dim, hidden_size, bias=False)
-            self.up_proj = nn.Linear(dim, hidden_size, bias=False)
-            self.down_proj = nn.Linear(hidden_size, dim, bias=False)
-
-    def forward(self, x_BTD: torch.Tensor) -> torch.Tensor:
-        if self.kind == "ffn":
-            return self.fc2(self.activation(self.fc1(x_BTD)))
-        return self.down_proj(self.activation(self.gate_proj(x_BTD)) * self.up_proj(x_BTD))
 
 
 def rotary_tables(

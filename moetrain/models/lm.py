@@ -21,7 +21,6 @@ from torch import nn
 
 from moetrain.models.layers import (
     Attention,
-    DenseFeedForward,
     LatentAttention,
     TransformerBlock,
     check_moe_kwargs,
@@ -31,7 +30,7 @@ from moetrain.models.layers import (
     rotary_tables,
     yarn_scaling,
 )
-from moetrain.moe import MoELayer, is_expert_param
+from moetrain.moe import DenseFeedForward, MoELayer, is_expert_param
 
 ATTENTIONS = ("mha", "mla")
 

@@ -13,13 +13,12 @@ from torch import nn
 
 from moetrain.models.layers import (
     Attention,
-    DenseFeedForward,
     TransformerBlock,
     check_moe_kwargs,
     make_norm,
     moe_block_indices,
 )
-from moetrain.moe import MoELayer
+from moetrain.moe import DenseFeedForward, MoELayer
 
 POOLS = ("cls", "mean")
 

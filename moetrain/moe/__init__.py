@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from moetrain.moe.experts import EXPERTS, Experts, FFNExperts, SharedExperts, SwiGLUExperts, is_expert_param
+from moetrain.moe.experts import EXPERTS, DenseFeedForward, Experts, FFNExperts, SwiGLUExperts, is_expert_param
 from moetrain.moe.gates import GATES, Gate, GateOutput, register_gate
 from moetrain.moe.layer import MoELayer, RoutingStats
 from moetrain.moe.routing import RoutingPlan, make_plan
@@ -13,8 +13,8 @@ from moetrain.moe.sigmoid_gate import SigmoidGate
 from moetrain.moe.top_gate import TopKGate
 
 __all__ = [
-    "EXPERTS", "GATES", "CosineGate", "Experts", "FFNExperts", "Gate", "GateOutput", "MoELayer", "RoutingPlan",
-    "RoutingStats", "SharedExperts", "SigmoidGate", "SwiGLUExperts", "TopKGate", "is_expert_param", "make_plan",
+    "EXPERTS", "GATES", "CosineGate", "DenseFeedForward", "Experts", "FFNExperts", "Gate", "GateOutput", "MoELayer", "RoutingPlan",
+    "RoutingStats", "SigmoidGate", "SwiGLUExperts", "TopKGate", "is_expert_param", "make_plan",
     "moe_layers", "register_gate", "update_router_biases",
 ]
 

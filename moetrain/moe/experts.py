@@ -8,7 +8,7 @@ implements that forward; only the real rows' outputs are read.
 
 Every routed-expert parameter is tagged `moe_expert = True` (see is_expert_param), which is how
 the distributed optimizer knows to reduce it only across the ranks holding the same expert.
-Shared experts (DeepSeekMoE) are a dense MLP that sees every token; their parameters are shared.
+Shared experts (DeepSeekMoE) are a DenseFeedForward that sees every token; their parameters are shared.
 """
 
 from __future__ import annotations
@@ -113,17 +113,29 @@ def build_experts(expert, num_experts: int, model_dim: int, hidden_size: int, ac
     raise ValueError(f"expert must be one of {sorted(EXPERTS)} or an Experts subclass/instance, got {expert!r}")
 
 
-class SharedExperts(nn.Module):
-    """Dense MLP applied to every token (DeepSeekMoE's shared experts, fused into one MLP)."""
+DENSE_FFNS = ("ffn", "swiglu")
 
-    def __init__(self, model_dim: int, hidden_size: int, swiglu: bool, activation: str):
+
+class DenseFeedForward(nn.Module):
+    """A dense MLP that sees every token: the FFN of non-MoE blocks, and the MoE layer's shared
+    experts (DeepSeekMoE's, fused into one MLP). "ffn" is Linear-act-Linear with biases (ViT,
+    Switch); "swiglu" is down(act(gate(x)) * up(x)) without biases (DeepSeek, Qwen, Mixtral)."""
+
+    def __init__(self, dim: int, hidden_size: int, kind: str = "ffn", activation: str = "gelu"):
         super().__init__()
-        self.swiglu = swiglu
-        self.act = activation_fn(activation)
-        self.up = nn.Linear(model_dim, hidden_size, bias=not swiglu)
-        self.gate = nn.Linear(model_dim, hidden_size, bias=False) if swiglu else None
-        self.down = nn.Linear(hidden_size, model_dim, bias=not swiglu)
+        if kind not in DENSE_FFNS:
+            raise ValueError(f"dense ffn must be one of {DENSE_FFNS}, got {kind!r}")
+        self.kind = kind
+        self.activation = activation_fn(activation)
+        if kind == "ffn":
+            self.fc1 = nn.Linear(dim, hidden_size)
+            self.fc2 = nn.Linear(hidden_size, dim)
+        else:
+            self.gate_proj = nn.Linear(dim, hidden_size, bias=False)
+            self.up_proj = nn.Linear(dim, hidden_size, bias=False)
+            self.down_proj = nn.Linear(hidden_size, dim, bias=False)
 
     def forward(self, x_TD: torch.Tensor) -> torch.Tensor:
-        h_TH = self.act(self.gate(x_TD)) * self.up(x_TD) if self.swiglu else self.act(self.up(x_TD))
-        return self.down(h_TH)
+        if self.kind == "ffn":
+            return self.fc2(self.activation(self.fc1(x_TD)))
+        return self.down_proj(self.activation(self.gate_proj(x_TD)) * self.up_proj(x_TD))

@@ -20,7 +20,7 @@ from torch import nn
 
 from moetrain import ops
 from moetrain.moe import losses
-from moetrain.moe.experts import SharedExperts, activation_fn, build_experts
+from moetrain.moe.experts import DenseFeedForward, activation_fn, build_experts
 from moetrain.moe.gates import Gate, build_gate
 from moetrain.moe.routing import RoutingPlan, make_plan
 
@@ -92,12 +92,12 @@ class MoELayer(nn.Module):
         self.experts = build_experts(expert, num_experts, model_dim, hidden_size, activation)
         self.shared = None
         if num_shared_experts:
-            swiglu = expert == "swiglu"
-            self.shared = SharedExperts(
+            kind = "swiglu" if expert == "swiglu" else "ffn"
+            self.shared = DenseFeedForward(
                 model_dim,
                 num_shared_experts * (shared_hidden_size or hidden_size),
-                swiglu=swiglu,
-                activation="silu" if swiglu and activation == "relu" else activation,
+                kind=kind,
+                activation="silu" if kind == "swiglu" and activation == "relu" else activation,
             )
         self.aux_loss: torch.Tensor | None = None
         self.stats: RoutingStats | None = None
