@@ -22,10 +22,6 @@ def check_impl(impl: str) -> str:
     return impl
 
 
-def _opmath(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
 def _kernels(device: torch.device):
     load()
     if device.type == "cuda" and not has_cuda_kernels():
@@ -84,4 +80,4 @@ def combine(buf_RD: torch.Tensor, dest_TK: torch.Tensor, weight_TK: torch.Tensor
     if check_impl(impl) == "torch":
         return reference.combine(buf_RD, dest_TK, weight_TK)
     _kernels(buf_RD.device)
-    return _Combine.apply(buf_RD.contiguous(), dest_TK.contiguous(), weight_TK.to(_opmath(buf_RD.dtype)).contiguous())
+    return _Combine.apply(buf_RD.contiguous(), dest_TK.contiguous(), weight_TK.to(reference.opmath_dtype(buf_RD.dtype)).contiguous())

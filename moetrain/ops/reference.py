@@ -9,6 +9,11 @@ from __future__ import annotations
 import torch
 
 
+def opmath_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The precision the kernels accumulate and take gate weights in: fp64 for fp64, else fp32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
 def route(expert_idx_N: torch.Tensor, num_experts: int, capacity: int, packed: bool):
     """Slot of each routing entry (given in priority order) inside its expert; see csrc/bindings.cpp."""
     n = expert_idx_N.numel()
@@ -38,7 +43,7 @@ def dispatch(x_TD: torch.Tensor, dest_TK: torch.Tensor, num_rows: int) -> torch.
 def combine(buf_RD: torch.Tensor, dest_TK: torch.Tensor, weight_TK: torch.Tensor | None) -> torch.Tensor:
     """y[t] = sum_k weight[t, k] * buf[dest[t, k]], skipping dropped entries (dest == -1)."""
     valid_TK = dest_TK >= 0
-    scale_TK = valid_TK.to(torch.float32 if buf_RD.dtype != torch.float64 else torch.float64)
+    scale_TK = valid_TK.to(opmath_dtype(buf_RD.dtype))
     if weight_TK is not None:
         scale_TK = scale_TK * weight_TK
     gathered_TKD = buf_RD[dest_TK.clamp(min=0)]
