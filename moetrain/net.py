@@ -10,12 +10,19 @@ ranks' gradients on the way back, and one that hands each rank a piece of a logi
 
     all_to_all          <-> all_to_all with split and concat dims swapped
     all_to_all_single   <-> all_to_all_single with input and output splits swapped
+    all_to_all_start/wait <-> the same pair, started by wait's backward and waited by start's
     all_gather          <-> reduce_scatter        zero_gather <-> reduce-scatter of the flat tensor
     reduce_scatter      <-> all_gather            zero_scatter <-> all-gather of the flat tensor
     simple_all_reduce   <-> simple_all_reduce (sum)
 
 zero_gather / zero_scatter work on flattened tensors cut into equal, zero-padded shards, the
 layout ZeRO uses for parameters: zero_gather(zero_scatter(x), x.numel()) == x.flatten().
+
+all_to_all_start / all_to_all_wait split an equal-split all_to_all_single in two, so work can be
+queued between launching the exchange and reading its result (on NCCL the wait only makes the
+current CUDA stream wait; the host never blocks). Their backward is split the same way: the
+backward of all_to_all_wait launches the reverse exchange and the backward of all_to_all_start
+waits for it, so the autograd engine can run other nodes while a gradient travels.
 
 Hierarchical all-to-all (`TwoLevelGroups`, `hierarchical_all_to_all`) exchanges within a node
 first and across nodes second, so each pair of nodes exchanges one large message instead of
@@ -26,9 +33,11 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from torch.autograd.function import once_differentiable
 
 __all__ = [
-    "TwoLevelGroups", "all_gather", "all_to_all", "all_to_all_single", "get_rank", "get_world_size",
+    "AllToAllInFlight", "TwoLevelGroups", "all_gather", "all_to_all", "all_to_all_single", "all_to_all_start",
+    "all_to_all_wait", "get_rank", "get_world_size",
     "hierarchical_all_to_all", "reduce_scatter", "simple_all_reduce", "zero_gather", "zero_scatter",
 ]
 
@@ -115,6 +124,72 @@ def all_to_all_single(x: torch.Tensor, output_split_sizes=None, input_split_size
     if (output_split_sizes is None) != (input_split_sizes is None):
         raise ValueError("all_to_all_single: give both output_split_sizes and input_split_sizes, or neither")
     return _AllToAllSingle.apply(x, _sizes(output_split_sizes), _sizes(input_split_sizes), group)
+
+
+# --------------------------------------------------------------------------- asynchronous all-to-all
+
+
+class AllToAllInFlight:
+    """An all-to-all started by all_to_all_start and not yet read. It holds the handle of whichever
+    exchange of the pair is running: the forward one until all_to_all_wait, then, in backward, the
+    reverse one from wait's backward until start's backward."""
+
+    def __init__(self, group):
+        self.group = group
+        self.work = None
+        self.output: torch.Tensor | None = None
+
+    def launch(self, x: torch.Tensor) -> torch.Tensor:
+        out = torch.empty_like(x, memory_format=torch.contiguous_format)
+        self.work = dist.all_to_all_single(out, x.contiguous(), group=self.group, async_op=True)
+        return out
+
+    def finish(self) -> None:
+        self.work.wait()
+        self.work = None
+
+
+class _StartAllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, flight):
+        ctx.flight = flight
+        return flight.launch(x)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad):
+        ctx.flight.finish()  # grad is the buffer that _WaitAllToAll.backward's exchange fills
+        return grad, None
+
+
+class _WaitAllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, out, flight):
+        ctx.flight = flight
+        flight.finish()
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad):
+        return ctx.flight.launch(grad), None
+
+
+def all_to_all_start(x: torch.Tensor, group=None) -> AllToAllInFlight:
+    """Launch all_to_all_single(x) (equal splits of dim 0) and return at once; read the result with
+    all_to_all_wait. Every rank must start (and wait for) its exchanges in the same order."""
+    _split_evenly(x.size(0), get_world_size(group), "all_to_all_start")
+    flight = AllToAllInFlight(group)
+    flight.output = _StartAllToAll.apply(x, flight)
+    return flight
+
+
+def all_to_all_wait(flight: AllToAllInFlight) -> torch.Tensor:
+    """The result of a started all-to-all. On CUDA only the current stream waits for it."""
+    if flight.output is None:
+        raise ValueError("all_to_all_wait: this exchange was already waited for")
+    out, flight.output = flight.output, None
+    return _WaitAllToAll.apply(out, flight)
 
 
 # --------------------------------------------------------------------------- gather / scatter

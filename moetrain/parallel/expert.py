@@ -11,13 +11,17 @@ exchanged so that each rank runs its own experts on every rank's rows for them:
 
   padded layout (capacity_factor > 0): [E, C, D] blocks; one fixed-size all-to-all splits the
       expert dim and concatenates the capacity dim, so local expert l sees [G*C, D] rows
-      (C is first made equal on all ranks: the largest capacity, rounded up to the overlap degree);
+      (C is first made equal on all ranks: the largest capacity, agreed through a CPU (Gloo)
+      group so that no GPU value is read back, rounded up to the overlap degree);
   packed layout (dropless): the per-expert row counts are exchanged first, then rows move by an
       uneven all-to-all and are regrouped expert-major.
 
 With a2a_ffn_overlap_degree = n > 1 the capacity dim is cut into n chunks: all chunks'
-all-to-alls are issued at once as asynchronous collectives and each chunk's experts start as soon
-as its rows arrive, so on GPUs communication overlaps expert compute. Only the padded layout is
+all-to-alls are launched at once (net.all_to_all_start) and each chunk's experts wait, on the GPU
+stream only, for that chunk's rows, so on GPUs communication overlaps expert compute; backward
+overlaps the same way (see _padded). Chunking costs two more copies of the buffer each way and,
+for experts whose weight gradient is a GEMM over all rows, one more addition of that gradient per
+extra chunk, so it pays only where an exchange takes longer than those. Only the padded layout is
 chunked; a dropless layer (whose row counts are only known after an exchange) runs unchunked, so
 one model-wide degree works for models that mix both.
 
@@ -29,7 +33,6 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-import torch.distributed._functional_collectives as functional_collectives
 from torch import nn
 from torch.func import functional_call
 
@@ -52,11 +55,21 @@ def _check_overlap(degree) -> int:
     return degree
 
 
-class ExpertParallel:
-    """Runs one layer's experts across ranks; holds the default degree and overlap of that layer."""
+def host_group(group=None):
+    """A Gloo group with the ranks of `group`, for agreeing on host-side values without touching a
+    GPU: `group` itself when it is Gloo already. Collective: every rank of the world must call it."""
+    if dist.get_backend(group) == "gloo":
+        return group
+    return dist.new_group(dist.get_process_group_ranks(group or dist.group.WORLD), backend="gloo")
 
-    def __init__(self, layout: ExpertLayout, adaptive_r: int = 1, a2a_ffn_overlap_degree: int = 1):
+
+class ExpertParallel:
+    """Runs one layer's experts across ranks; holds the default degree and overlap of that layer.
+    host_group: a Gloo group with the layout's ranks (see host_group()), shared by all layers."""
+
+    def __init__(self, layout: ExpertLayout, host_group, adaptive_r: int = 1, a2a_ffn_overlap_degree: int = 1):
         self.layout = layout
+        self.host_group = host_group
         self.adaptive_r = layout.check_r(adaptive_r)
         self.a2a_ffn_overlap_degree = _check_overlap(a2a_ffn_overlap_degree)
 
@@ -104,48 +117,53 @@ class ExpertParallel:
 
     # ------------------------------------------------------------------ token exchange
 
+    def _agreed_capacity(self, capacity: int) -> int:
+        """The largest capacity of any rank, agreed on the host through the CPU group: a GPU
+        all-reduce would have to be read back, and each read drains the GPU's queue. It runs on
+        every call: a rank cannot tell from its own capacity whether another rank's changed, and a
+        rank that skipped the exchange while another joined it would hang both."""
+        if self.layout.world_size == 1:
+            return capacity
+        value = torch.tensor([capacity], dtype=torch.int64)
+        dist.all_reduce(value, op=dist.ReduceOp.MAX, group=self.host_group)
+        return int(value[0])
+
     def _padded(self, experts, params, buf_RD, capacity, r, overlap):
         layout = self.layout
         group = layout.expert_group(r)
         members = dist.get_world_size(group)
         num_experts, dim = layout.num_experts, buf_RD.size(-1)
-        # Every rank must send blocks of the same size: use the largest capacity in the group.
-        common = int(net.simple_all_reduce(torch.tensor([capacity], device=buf_RD.device), "max", group)[0])
-        common = -(-common // overlap) * overlap
+        # Every rank must send blocks of the same size: the largest capacity, cut into equal chunks.
+        # (Agreed over the whole parallel group, a superset of this r's expert group, so any r works.)
+        common = -(-self._agreed_capacity(capacity) // overlap) * overlap
         x_ECD = buf_RD.view(num_experts, capacity, dim)
         if common > capacity:
             x_ECD = nn.functional.pad(x_ECD, (0, 0, 0, common - capacity))
         x_VCD = x_ECD if r == 1 else x_ECD.unsqueeze(1).expand(num_experts, r, common, dim).reshape(-1, common, dim)
-        local = x_VCD.size(0) // members
+        local, chunk = x_VCD.size(0) // members, common // overlap
 
-        def compute(x_LRD):  # [local virtual experts, G*chunk, D]
-            rows = x_LRD.size(1)
-            counts = torch.full((local,), rows, dtype=torch.long, device=x_LRD.device)
-            y_RD = functional_call(experts, params, (x_LRD.reshape(-1, dim), counts, rows))
-            return y_RD.view(local, rows, -1)
+        def compute(recv_VcD):
+            # Received source-major [G, L, c, D]; the experts want expert-major [L, G*c, D] rows, and
+            # the results go back destination-major [G, L, c, D].
+            x_RD = recv_VcD.view(members, local, chunk, dim).transpose(0, 1).reshape(-1, dim)
+            counts = torch.full((local,), members * chunk, dtype=torch.long, device=x_RD.device)
+            y_RD = functional_call(experts, params, (x_RD, counts, members * chunk))
+            return y_RD.view(local, members, chunk, -1).transpose(0, 1).reshape(local * members, chunk, -1)
 
-        if overlap == 1:
-            y_VCD = net.all_to_all(compute(net.all_to_all(x_VCD, 0, 1, group)), 1, 0, group)
-        else:
-            y_VCD = self._overlapped(x_VCD, compute, overlap, group)
+        # Chunks of the capacity dim. Every dispatch exchange is launched first; chunk i's experts
+        # wait (on the GPU stream, not the host) for chunk i only, and its results leave while
+        # chunk i+1 computes. The waits for the returning chunks come last, so none of them holds
+        # back a later chunk's experts. In backward the autograd engine runs the highest sequence
+        # number first: the waits' backwards launch every returning chunk's reverse exchange at
+        # once, then chunk n-1 to 0 run their expert backward, each launching its dispatch's
+        # reverse exchange, which travels while the next chunk's expert backward runs.
+        arriving = [net.all_to_all_start(x_VcD, group) for x_VcD in x_VCD.chunk(overlap, dim=1)]
+        leaving = [net.all_to_all_start(compute(net.all_to_all_wait(flight)), group) for flight in arriving]
+        returned = [net.all_to_all_wait(flight) for flight in leaving]
+        y_VCD = returned[0] if overlap == 1 else torch.cat(returned, dim=1)
         if r > 1:
             y_VCD = y_VCD.view(num_experts, r, common, -1).sum(1)
         return y_VCD[:, :capacity].reshape(num_experts * capacity, -1)
-
-    @staticmethod
-    def _overlapped(x_VCD, compute, overlap, group):
-        group = group or dist.group.WORLD
-        members = dist.get_world_size(group)
-
-        def send(x, split_dim):  # pieces for rank g first, as one asynchronous all-to-all
-            piece = x.size(split_dim) // members
-            ready = x.unflatten(split_dim, (members, piece)).movedim(split_dim, 0).contiguous()
-            return functional_collectives.all_to_all_single_autograd(ready, None, None, group)
-
-        # Issue every chunk's dispatch first; reading a chunk waits only for that chunk's exchange.
-        arriving = [send(chunk, 0) for chunk in x_VCD.chunk(overlap, dim=1)]
-        leaving = [send(compute(recv.movedim(0, 1).flatten(1, 2)), 1) for recv in arriving]
-        return torch.cat([recv.flatten(0, 1) for recv in leaving], dim=1)
 
     def _packed(self, experts, params, buf_RD, counts_E, r):
         layout = self.layout
@@ -209,13 +227,14 @@ def parallelize(model: nn.Module, adaptive_r: int = 1, a2a_ffn_overlap_degree: i
 
     layouts: dict[int, ExpertLayout] = {}
     strategies = []
+    cpu_group = host_group(group)
     for layer in moe_layers(model):
         if layer.parallel is not None:
             raise ValueError("this model is already parallelized")
         if layer.num_experts not in layouts:
             layouts[layer.num_experts] = ExpertLayout(layer.num_experts, group)
         layout = layouts[layer.num_experts]
-        strategy = ExpertParallel(layout, adaptive_r, a2a_ffn_overlap_degree)  # checks r before any change
+        strategy = ExpertParallel(layout, cpu_group, adaptive_r, a2a_ffn_overlap_degree)  # checks r before any change
         _keep_local_experts(layer.experts, layout)
         layer.parallel = strategy
         strategies.append(strategy)

@@ -1,0 +1,151 @@
+"""The asynchronous all-to-all and the chunked (overlapped) expert-parallel exchange, on 2 Gloo ranks.
+
+One spawn runs every check (spawning is the slow part); each rank writes its largest differences
+from a single-process reference, which the tests below read:
+  - net.all_to_all_start / all_to_all_wait, three exchanges in flight, waited in reverse order,
+    forward and backward, against an emulation of both ranks in one process;
+  - a padded MoE layer whose ranks hold different token counts (so different capacities, agreed
+    on the host) under a2a_ffn_overlap_degree 1, 2 and 4: outputs, input gradients and expert and
+    router gradients against the same layer run whole in one process, and the degrees against each
+    other; the number of exchanges shows the chunking really happened;
+  - one expert replicated on both ranks with its hidden dim split (adaptive_r=2), chunked.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from moetrain import MoELayer, net
+from moetrain.parallel import parallelize, spawn
+from moetrain.parallel import expert as expert_parallel
+
+WORLD = 2
+TOKENS = (9, 14)  # per rank: capacities 2*ceil(9/4) = 6 and 2*ceil(14/4) = 8 with 4 experts, top-2
+DEGREES = (1, 2, 4)
+LIMIT = 1e-5
+
+
+def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (a - b).abs().max().item()
+
+
+def _check_async_all_to_all(results: dict, rank: int) -> None:
+    gen = torch.Generator().manual_seed(5)
+    inputs = [[torch.randn(4, 3, generator=gen) for _ in range(WORLD)] for _ in range(3)]
+    upstream = [[torch.randn(4, 3, generator=gen) for _ in range(WORLD)] for _ in range(3)]
+    leaves = [x[rank].clone().requires_grad_() for x in inputs]
+    flights = [net.all_to_all_start(x) for x in leaves]
+    outputs = [net.all_to_all_wait(flight) for flight in reversed(flights)][::-1]
+    sum((y * g[rank]).sum() for y, g in zip(outputs, upstream)).backward()
+    worst = 0.0
+    for x_W, g_W, y, leaf in zip(inputs, upstream, outputs, leaves):
+        # Rank i receives piece i of every rank; the gradient of piece j of x is piece rank of g's sender j.
+        expected = torch.cat([x_W[source].chunk(WORLD)[rank] for source in range(WORLD)])
+        expected_grad = torch.cat([g_W[target].chunk(WORLD)[rank] for target in range(WORLD)])
+        worst = max(worst, _max_diff(y, expected), _max_diff(leaf.grad, expected_grad))
+    results["async all_to_all"] = worst
+
+
+def _counting_starts():
+    """Patch net.all_to_all_start to count exchanges; returns the counter list."""
+    calls = []
+    start = net.all_to_all_start
+
+    def counted(x, group=None):
+        calls.append(x.shape)
+        return start(x, group)
+
+    net.all_to_all_start = counted
+    return calls
+
+
+def _compare_layer(results: dict, tag: str, layer: MoELayer, rank: int, calls: list, **call) -> None:
+    """Run `layer` (one instance per process, seed 0) whole in this process on each rank's tokens,
+    then parallelized under each degree, and record the largest differences."""
+    gen = torch.Generator().manual_seed(7)
+    xs = [torch.randn(tokens, layer.model_dim, generator=gen) for tokens in TOKENS]
+    gs = [torch.randn(tokens, layer.model_dim, generator=gen) for tokens in TOKENS]
+
+    reference = copy.deepcopy(layer)
+    ref_out, ref_x_grad, ref_router_grad = [], [], []
+    for x, g in zip(xs, gs):
+        reference.zero_grad()
+        leaf = x.clone().requires_grad_()
+        y = reference(leaf)
+        (y * g).sum().backward()
+        ref_out.append(y.detach())
+        ref_x_grad.append(leaf.grad)
+        ref_router_grad.append(reference.gate.weight_ED.grad.clone())
+    # Expert gradients: every rank's tokens reach the experts, so the sum over both runs.
+    ref_expert_grads = {name: torch.zeros_like(param) for name, param in reference.experts.named_parameters()}
+    for x, g in zip(xs, gs):
+        for name, grad in zip(ref_expert_grads, torch.autograd.grad(
+                (reference(x) * g).sum(), list(reference.experts.parameters()))):
+            ref_expert_grads[name] += grad
+
+    strategy = parallelize(layer)[0]
+    outputs = {}
+    for degree in DEGREES:
+        layer.zero_grad()
+        calls.clear()
+        leaf = xs[rank].clone().requires_grad_()
+        y = layer(leaf, a2a_ffn_overlap_degree=degree, **call)
+        (y * gs[rank]).sum().backward()
+        outputs[degree] = y.detach()
+        results[f"{tag} degree {degree}: exchanges"] = len(calls)
+        errors = [_max_diff(y, ref_out[rank]), _max_diff(leaf.grad, ref_x_grad[rank]),
+                  _max_diff(layer.gate.weight_ED.grad, ref_router_grad[rank])]
+        for name, param in layer.experts.named_parameters():
+            grad = param.grad
+            if call.get("adaptive_r", 1) > 1:  # each replica holds its hidden slice's part: sum them
+                grad = grad.clone()
+                dist.all_reduce(grad)
+            errors.append(_max_diff(grad, ref_expert_grads[name][strategy.layout.local_slice]))
+        results[f"{tag} degree {degree}: vs one process"] = max(errors)
+        results[f"{tag} degree {degree}: vs degree 1"] = _max_diff(y, outputs[1])
+
+
+def worker(rank: int, world: int, out_dir: str) -> None:
+    results = {}
+    _check_async_all_to_all(results, rank)
+    calls = _counting_starts()
+    torch.manual_seed(0)
+    _compare_layer(results, "padded", MoELayer(8, 4, 12, top_k=2, capacity_factor=1.0), rank, calls)
+    torch.manual_seed(0)
+    _compare_layer(results, "hidden split", MoELayer(8, 1, 12, top_k=1, capacity_factor=1.0), rank, calls,
+                   adaptive_r=2)
+    results["agreed capacity"] = parallelize(MoELayer(8, 2, 4))[0]._agreed_capacity(3 + 5 * rank)
+    results["host group"] = expert_parallel.host_group()  # the default group, already Gloo: reused
+    torch.save(results, os.path.join(out_dir, f"results{rank}.pt"))
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    out_dir = str(tmp_path_factory.mktemp("overlap"))
+    spawn(worker, WORLD, args=(out_dir,), backend="gloo")
+    return [torch.load(os.path.join(out_dir, f"results{rank}.pt")) for rank in range(WORLD)]
+
+
+def test_async_all_to_all_matches_emulation(results):
+    for rank_results in results:
+        assert rank_results["async all_to_all"] <= LIMIT
+
+
+@pytest.mark.parametrize("tag", ["padded", "hidden split"])
+@pytest.mark.parametrize("degree", DEGREES)
+def test_overlap_degrees_match_one_process(results, tag, degree):
+    for rank_results in results:
+        assert rank_results[f"{tag} degree {degree}: vs one process"] <= LIMIT
+        assert rank_results[f"{tag} degree {degree}: vs degree 1"] <= LIMIT
+        # One dispatch and one return exchange per chunk.
+        assert rank_results[f"{tag} degree {degree}: exchanges"] == 2 * degree
+
+
+def test_capacity_is_agreed_on_the_host(results):
+    assert [rank_results["agreed capacity"] for rank_results in results] == [8, 8]
+    assert [rank_results["host group"] for rank_results in results] == [None, None]
