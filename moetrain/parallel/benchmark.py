@@ -10,6 +10,12 @@ tokens by all-to-all. A step is forward, backward and the optimizer step (SGD, t
 DistributedOptimizer on N GPUs). Step time is the median of --steps timed steps after warm-up,
 timed with CUDA events; throughput is tokens per second over all GPUs, and speedup is N-GPU
 throughput over one-GPU throughput (N is ideal).
+
+--profile adds one more step per setup under torch.profiler (rank 0's view) and prints where its
+GPU time went: the forward / backward / optimizer spans, kernel time by kind (GEMMs, NCCL, of
+which NCCL with no other kernel running, copies, the rest), GPU idle, the slowest kernels, and the
+host syncs torch reports for that step (torch.cuda.set_sync_debug_mode) with where they came from.
+A setup that fails prints its error in its row; the other rows still run.
 """
 
 from __future__ import annotations
@@ -17,9 +23,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import sys
 import tempfile
+import traceback
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -49,10 +58,14 @@ def _build(args) -> MoEStack:
     return MoEStack(args.layers, args.dim, args.hidden, args.experts, args.top_k, args.impl).cuda().to(torch.bfloat16)
 
 
+def _tokens(args) -> torch.Tensor:
+    gen = torch.Generator(device="cuda").manual_seed(1 + (dist.get_rank() if dist.is_initialized() else 0))
+    return torch.randn(args.tokens, args.dim, device="cuda", dtype=torch.bfloat16, generator=gen)
+
+
 def _time_steps(model, optimizer, args, **call) -> float:
     """Median seconds per training step."""
-    gen = torch.Generator(device="cuda").manual_seed(1 + (dist.get_rank() if dist.is_initialized() else 0))
-    x_TD = torch.randn(args.tokens, args.dim, device="cuda", dtype=torch.bfloat16, generator=gen)
+    x_TD = _tokens(args)
     times = []
     for step in range(args.warmup + args.steps):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -67,17 +80,117 @@ def _time_steps(model, optimizer, args, **call) -> float:
     return statistics.median(times)
 
 
+# ---------------------------------------------------------------------- one profiled step
+
+
+def _kind(name: str) -> str:
+    lower = name.lower()
+    if "nccl" in lower:
+        return "nccl"
+    if re.search(r"gemm|nvjet|cutlass|xmma|cublas", lower):
+        return "gemm"
+    if re.search(r"copy|memcpy|catarray", lower):
+        return "copy"
+    return "other"
+
+
+def _union_us(intervals: list[tuple[float, float]]) -> float:
+    total, reach = 0.0, float("-inf")
+    for start, end in sorted(intervals):
+        if end > reach:
+            total += end - max(start, reach)
+            reach = end
+    return total
+
+
+def _breakdown(events: list[dict]) -> dict:
+    """Milliseconds of GPU time by kind from a chrome trace's events."""
+    kernels = [e for e in events if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+    if not kernels:
+        return {"error": "the trace has no GPU kernels"}
+    spans = [(e["ts"], e["ts"] + e["dur"]) for e in kernels]
+    by_kind: dict[str, float] = {}
+    by_name: dict[str, float] = {}
+    for e in kernels:
+        by_kind[_kind(e["name"])] = by_kind.get(_kind(e["name"]), 0.0) + e["dur"]
+        by_name[e["name"]] = by_name.get(e["name"], 0.0) + e["dur"]
+    busy = _union_us(spans)
+    busy_without_nccl = _union_us([span for span, e in zip(spans, kernels) if _kind(e["name"]) != "nccl"])
+    phases = {}
+    for e in events:
+        if e.get("cat") == "gpu_user_annotation" and e.get("name") in ("forward", "backward", "optimizer"):
+            phases[e["name"]] = phases.get(e["name"], 0.0) + e["dur"] / 1e3
+    top = sorted(by_name.items(), key=lambda item: -item[1])[:6]
+    return {
+        "span_ms": (max(end for _, end in spans) - min(start for start, _ in spans)) / 1e3,
+        "phases_ms": phases,
+        **{f"{kind}_ms": by_kind.get(kind, 0.0) / 1e3 for kind in ("gemm", "nccl", "copy", "other")},
+        "nccl_alone_ms": (busy - busy_without_nccl) / 1e3,
+        "idle_ms": (max(end for _, end in spans) - min(start for start, _ in spans) - busy) / 1e3,
+        "top": [(name[:90], ms / 1e3) for name, ms in top],
+    }
+
+
+def _profile_step(model, optimizer, args, **call) -> dict:
+    """One training step under torch.profiler, and the host syncs torch reports during it."""
+    x_TD = _tokens(args)
+    torch.cuda.synchronize()
+    with tempfile.TemporaryDirectory() as folder, warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+        with torch.profiler.profile(activities=activities) as profiler:
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                with torch.profiler.record_function("forward"):
+                    loss = model(x_TD, **call).float().square().mean()
+                with torch.profiler.record_function("backward"):
+                    loss.backward()
+                with torch.profiler.record_function("optimizer"):
+                    optimizer.step()
+                    optimizer.zero_grad()
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+            torch.cuda.synchronize()
+        path = os.path.join(folder, "trace.json")
+        profiler.export_chrome_trace(path)
+        with open(path) as file:
+            summary = _breakdown(json.load(file)["traceEvents"])
+    syncs = [w for w in caught if "synchroniz" in str(w.message)]
+    summary["syncs"] = len(syncs)
+    summary["sync_sites"] = sorted({f"{os.path.relpath(w.filename)}:{w.lineno}" for w in syncs})
+    return summary
+
+
+def _run_row(measure) -> dict:
+    """Time (and profile) one setup; an error is reported in the row instead of ending the run."""
+    try:
+        return measure()
+    except Exception as error:  # noqa: BLE001 - any failure of a row is reported, the next row still runs
+        return {"error": f"{type(error).__name__}: {error}", "traceback": traceback.format_exc(limit=6)}
+
+
+def _measure(model, optimizer, args, **call) -> dict:
+    row = {"step_s": _time_steps(model, optimizer, args, **call)}
+    if dist.is_initialized():  # the slowest rank sets the pace
+        slowest = torch.tensor([row["step_s"]], device="cuda")
+        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+        row["step_s"] = slowest.item()
+    if args.profile:
+        row["profile"] = _profile_step(model, optimizer, args, **call)
+    return row
+
+
+def _single_gpu(args) -> dict:
+    model = _build(args)
+    return _measure(model, torch.optim.SGD(model.parameters(), lr=1e-6), args)
+
+
 def _multi_gpu(rank: int, world: int, args, out_path: str) -> None:
     model = _build(args)
     parallelize(model, adaptive_r=1)
     optimizer = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1e-6), model)
-    results = {}
-    for degree in args.overlap:
-        seconds = _time_steps(model, optimizer, args, a2a_ffn_overlap_degree=degree)
-        # The slowest rank sets the pace.
-        slowest = torch.tensor([seconds], device="cuda")
-        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-        results[degree] = slowest.item()
+    results = {degree: _run_row(lambda: _measure(model, optimizer, args, a2a_ffn_overlap_degree=degree))
+               for degree in args.overlap}
     if rank == 0:
         with open(out_path, "w") as file:
             json.dump(results, file)
@@ -97,35 +210,71 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--impl", choices=("kernel", "torch"), default="kernel", help="dispatch/combine implementation")
+    parser.add_argument("--profile", action="store_true", help="also profile one step per setup (see above)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available() or torch.cuda.device_count() < args.gpus:
         parser.error(f"needs {args.gpus} CUDA GPUs, found {torch.cuda.device_count() if torch.cuda.is_available() else 0}")
 
-    model = _build(args)
-    single = _time_steps(model, torch.optim.SGD(model.parameters(), lr=1e-6), args)
-    del model
+    single = _run_row(lambda: _single_gpu(args))
     torch.cuda.empty_cache()
     with tempfile.TemporaryDirectory() as folder:
         out_path = os.path.join(folder, "multi.json")
-        spawn(_multi_gpu, args.gpus, args=(args, out_path), backend="nccl")
-        with open(out_path) as file:
-            multi = {int(degree): seconds for degree, seconds in json.load(file).items()}
+        try:
+            spawn(_multi_gpu, args.gpus, args=(args, out_path), backend="nccl")
+            with open(out_path) as file:
+                multi = {int(degree): row for degree, row in json.load(file).items()}
+        except Exception as error:  # noqa: BLE001 - still print the one-GPU row
+            multi = {degree: {"error": f"{type(error).__name__}: {error}"} for degree in args.overlap}
 
-    flop_per_token = args.layers * args.top_k * args.dim * args.hidden * 2 * 2 * 3
-    rows = [("1 GPU", 1, None, single)] + [(f"{args.gpus} GPUs EP", args.gpus, degree, seconds)
-                                           for degree, seconds in multi.items()]
+    rows = [("1 GPU", 1, None, single)] + [(f"{args.gpus} GPUs EP", args.gpus, degree, row) for degree, row in multi.items()]
     report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "config": vars(args), "runs": []}
-    print(f"{'setup':14s} {'overlap':>7s} {'step ms':>9s} {'tokens/s':>12s} {'expert TFLOP/s/GPU':>19s} {'speedup':>8s}")
-    base = args.tokens / single
-    for name, gpus, degree, seconds in rows:
-        throughput = args.tokens * gpus / seconds
-        tflops = args.tokens * flop_per_token / seconds / 1e12
-        print(f"{name:14s} {degree if degree else '-':>7} {seconds * 1e3:9.2f} {throughput:12.0f} {tflops:19.1f} "
-              f"{throughput / base:8.2f}")
-        report["runs"].append({"setup": name, "gpus": gpus, "overlap": degree, "step_s": seconds,
-                               "tokens_per_s": throughput, "speedup": throughput / base})
+    _print_table(rows, args, report)
+    if args.profile:
+        _print_profiles(rows)
     print(json.dumps(report))
     return 0
+
+
+def _print_table(rows, args, report) -> None:
+    flop_per_token = args.layers * args.top_k * args.dim * args.hidden * 2 * 2 * 3
+    base = args.tokens / rows[0][3]["step_s"] if "step_s" in rows[0][3] else None
+    print(f"{'setup':14s} {'overlap':>7s} {'step ms':>9s} {'tokens/s':>12s} {'expert TFLOP/s/GPU':>19s} {'speedup':>8s}")
+    for name, gpus, degree, row in rows:
+        label = f"{name:14s} {degree if degree else '-':>7}"
+        if "step_s" not in row:
+            print(f"{label} FAILED {row['error']}")
+            report["runs"].append({"setup": name, "gpus": gpus, "overlap": degree, **row})
+            continue
+        seconds = row["step_s"]
+        throughput = args.tokens * gpus / seconds
+        tflops = args.tokens * flop_per_token / seconds / 1e12
+        speedup = throughput / base if base else float("nan")
+        print(f"{label} {seconds * 1e3:9.2f} {throughput:12.0f} {tflops:19.1f} {speedup:8.2f}")
+        report["runs"].append({"setup": name, "gpus": gpus, "overlap": degree, "step_s": seconds,
+                               "tokens_per_s": throughput, "speedup": speedup, "profile": row.get("profile")})
+
+
+def _print_profiles(rows) -> None:
+    print("\none profiled step, rank 0, GPU milliseconds (NCCL alone: no other kernel running; syncs: host syncs)")
+    columns = ("span", "fwd", "bwd", "optim", "GEMM", "NCCL", "alone", "copies", "other", "idle", "syncs")
+    print(f"{'setup':14s} {'overlap':>7s} " + " ".join(f"{column:>7s}" for column in columns))
+    for name, _, degree, row in rows:
+        profile = row.get("profile") or {}
+        label = f"{name:14s} {degree if degree else '-':>7}"
+        if "span_ms" not in profile:
+            print(f"{label} no profile: {profile.get('error') or row.get('error')}")
+            continue
+        phases = profile["phases_ms"]
+        values = [profile["span_ms"], phases.get("forward", float("nan")), phases.get("backward", float("nan")),
+                  phases.get("optimizer", float("nan")), profile["gemm_ms"], profile["nccl_ms"],
+                  profile["nccl_alone_ms"], profile["copy_ms"], profile["other_ms"], profile["idle_ms"]]
+        print(f"{label} " + " ".join(f"{value:7.2f}" for value in values) + f" {profile['syncs']:7d}")
+    for name, _, degree, row in rows:
+        profile = row.get("profile") or {}
+        if "top" in profile:
+            print(f"{name}, overlap {degree or '-'}: syncs at {profile['sync_sites'] or 'none'}")
+            for kernel, ms in profile["top"]:
+                print(f"    {ms:7.2f} ms  {kernel}")
 
 
 if __name__ == "__main__":
