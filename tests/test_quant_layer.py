@@ -172,30 +172,51 @@ def test_quantized_checkpoint_loads_back_exactly(tmp_path):
 
 KERNEL_CHECK = textwrap.dedent("""
     import torch
-    from moetrain.quant import get_format
-    from moetrain.quant.fp4_kernel import grouped_fp4_matmul
+    from moetrain.quant import get_format, kernels
+    from moetrain.quant.formats import quantize_fp8_groups
     from moetrain.quant.matmul import emulated_matmul
     torch.manual_seed(0)
-    for name, n, k in (("mxfp4", 40, 80), ("nvfp4", 24, 48)):
-        fmt = get_format(name)
-        ws = [torch.randn(n, k) for _ in range(3)]
-        qs = [fmt.quantize(w) for w in ws]
-        stacked = {key: torch.stack([q[key] for q in qs]) for key in qs[0]}
-        counts, starts = [5, 0, 19], [0, 5, 7]  # an empty expert and a gap of rows nobody owns
-        # fp16: the interpreter multiplies bf16 as raw bits; the kernel casts weights to x's dtype.
-        x = torch.randn(26, k).half()
-        y = torch.zeros(26, n, dtype=torch.half)
-        grouped_fp4_matmul(x, fmt, stacked, k, starts, counts, y)
-        for q, s, c in zip(qs, starts, counts):
-            torch.testing.assert_close(y[s:s + c].float(), emulated_matmul(x[s:s + c].float(), fmt, q, k).half().float(),
-                                       rtol=2e-3, atol=2e-3)
-        assert y[5:7].abs().sum() == 0 and y[26:].numel() == 0
+    as_int32 = lambda values: torch.tensor(values, dtype=torch.int32)
+    # Ragged experts (one empty, a gap of rows nobody owns) in thin row tiles, then in 128-row tiles.
+    for counts, starts in (([5, 0, 19], [0, 5, 7]), ([150, 0, 140], [0, 150, 152])):
+        total = starts[-1] + counts[-1]
+        for name, n, k in (("bf16", 40, 80), ("fp8", 40, 200), ("fp8_block", 136, 300), ("mxfp4", 40, 80),
+                           ("nvfp4", 24, 48)):
+            fmt = get_format(name)
+            qs = [fmt.quantize(torch.randn(n, k)) for _ in range(3)]
+            stacked = {key: torch.stack([q[key] for q in qs]) for key in qs[0]}
+            # fp16: the interpreter multiplies bf16 as raw bits.
+            x = torch.randn(total, k).half()
+            if name == "bf16":
+                stacked["data"] = stacked["data"].half()
+            xq, x_scale = quantize_fp8_groups(x.float(), k if name == "fp8" else 128) if "fp8" in name else (x, None)
+            y = torch.zeros(total, n, dtype=torch.half)
+            kernels.grouped_gemm(xq, x_scale, fmt, stacked, k, as_int32(starts), as_int32(counts), y)
+            for q, s, c in zip(qs, starts, counts):
+                torch.testing.assert_close(y[s:s + c].float(), emulated_matmul(x[s:s + c].float(), fmt, q, k).half().float(),
+                                           rtol=2e-3, atol=2e-3)
+            assert y[counts[0]:starts[2]].abs().sum() == 0
+            if name in ("mxfp4", "nvfp4"):
+                w = kernels.dequantize_fp4(fmt, stacked, k, torch.float32)
+                for g, q in enumerate(qs):  # exact up to NVFP4's fp32 tensor scale, folded in
+                    torch.testing.assert_close(w[g], fmt.dequantize(q, k), rtol=1e-6, atol=0)
+    # FP8 activations: the scales are bit-exact. The interpreter's own fp32 -> E4M3 cast misrounds
+    # (values just below a power of two drop a binade, some ties go up, NaN becomes a number), so
+    # here the codes are only checked to within a factor of two; the GPU test checks them bit for bit.
+    for group, k in ((128, 300), (96, 96), (128, 256)):
+        x = (torch.randn(7, k) * 3).half()
+        x[1, 5], x[2], x[3, 70] = float("inf"), 0.0, float("nan")
+        q, scale = kernels.quantize_fp8(x, group)
+        q_ref, scale_ref = quantize_fp8_groups(x.float(), group)
+        assert torch.equal(scale.nan_to_num(-1.0), scale_ref.nan_to_num(-1.0))
+        finite = torch.isfinite(q_ref.float())
+        assert ((q.float() - q_ref.float()).abs() <= q_ref.float().abs() / 2)[finite].all()
     print("ok")
 """)
 
 
-def test_fp4_triton_kernel_in_the_interpreter():
-    """The fused FP4 GEMM's logic, run by Triton's CPU interpreter (the GPU run is the CUDA test)."""
+def test_triton_kernels_in_the_interpreter():
+    """The Triton kernels' logic, run by Triton's CPU interpreter (the GPU runs are the CUDA tests)."""
     pytest.importorskip("triton")
     env = dict(os.environ, TRITON_INTERPRET="1")
     result = subprocess.run([sys.executable, "-c", KERNEL_CHECK], env=env, capture_output=True, text=True, timeout=300)
@@ -218,23 +239,6 @@ def test_fp8_gemm_rows_are_realigned_to_16(segments):
         assert (y[start : start + count] - reference).norm() / reference.norm() < 4e-3  # bf16 output rounding
         owned[start : start + count] = True
     assert torch.equal(y[~owned], torch.zeros_like(y[~owned]))
-
-
-@pytest.mark.cuda
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("name,fp8_grouped", [("bf16", False), ("fp8", False), ("fp8", True), ("fp8_block", False),
-                                              ("mxfp4", False), ("nvfp4", False)])
-def test_cuda_kernels_match_the_emulation(name, fp8_grouped):
-    torch.manual_seed(6)
-    fmt = get_format(name)
-    qs = [fmt.quantize(torch.randn(256, 512, device="cuda")) for _ in range(3)]
-    stacked = {key: torch.stack([q[key] for q in qs]) for key in qs[0]}
-    counts, starts = [37, 0, 5], [0, 37, 37]
-    x = torch.randn(42, 512, device="cuda", dtype=torch.bfloat16)
-    y = torch.zeros(42, 256, device="cuda", dtype=torch.bfloat16)
-    grouped_matmul(x, fmt, stacked, 256, 512, starts, counts, y, fp8_grouped)
-    reference = torch.cat([emulated_matmul(x[:37], fmt, qs[0], 512), emulated_matmul(x[37:], fmt, qs[2], 512)])
-    assert (y.float() - reference).norm() / reference.norm() < 1e-2
 
 
 def test_every_quant_config_builds_a_policy():

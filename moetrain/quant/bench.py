@@ -5,9 +5,11 @@
     python -m moetrain.quant.bench --json results.json
 
 For every format (bf16 = the float MoELayer in bf16, the baseline) it prints the expert-weight
-memory, the forward time of the whole layer and of the experts alone (median of --iters calls
-after warm-up, timed with CUDA events; no grad), the output's relative error against bf16, and
-the relative difference of the device kernel against the fp32 emulation on one expert matrix.
+memory, the GEMM path taken for decode and for prefill (moetrain.quant.matmul.cuda_path), the
+forward time of the whole layer and of the experts alone (median of --iters calls after warm-up,
+timed with CUDA events; no grad), the output's relative error against bf16, and the largest
+relative difference of the device paths against the fp32 emulation on one expert matrix (with
+decode- and prefill-sized row counts).
 Dispatch and combine use the pure-torch path so that no compiled extension is needed.
 """
 
@@ -25,7 +27,7 @@ from moetrain.moe.routing import make_plan
 from moetrain.quant.experts import QuantizedExperts
 from moetrain.quant.export import expert_memory
 from moetrain.quant.formats import get_format
-from moetrain.quant.matmul import emulated_matmul, fast_path, grouped_matmul
+from moetrain.quant.matmul import ExpertInput, emulated_matmul
 
 # name: (model_dim, hidden_size, num_experts, top_k)
 SHAPES = {
@@ -33,8 +35,7 @@ SHAPES = {
     "fine_grained": (2048, 1536, 64, 6),  # DeepSeekMoE-like; H a multiple of 512 for fp8_block
     "small": (256, 512, 8, 2),
 }
-# fp8_grouped: fp8 experts through one torch._scaled_grouped_mm launch (QuantizedExperts.fp8_grouped).
-FORMAT_NAMES = ("bf16", "fp8", "fp8_grouped", "fp8_block", "mxfp4", "nvfp4")
+FORMAT_NAMES = ("bf16", "fp8", "fp8_block", "mxfp4", "nvfp4")
 
 
 def median_ms(fn, iters: int, device: torch.device) -> float:
@@ -56,13 +57,13 @@ def median_ms(fn, iters: int, device: torch.device) -> float:
     return statistics.median(times)
 
 
-def paths(layer: MoELayer, device: torch.device) -> str:
-    """The path each weight of the layer's format takes (kernel or emulated), e.g. "kernel"."""
-    if not isinstance(layer.experts, QuantizedExperts) or device.type != "cuda":
-        return "torch" if device.type == "cuda" else "emulated"
-    found = {fast_path(stack.format, stack.n, stack.k) for weight in layer.experts.weights.values()
-             for stack in weight.stacks.values()}
-    return "+".join(sorted(found)) + (" grouped" if layer.experts.fp8_grouped else "")
+def paths(layer: MoELayer, num_rows: int, device: torch.device) -> str:
+    """The path the layer's expert GEMMs take for a buffer of num_rows rows."""
+    if device.type != "cuda":
+        return "emulated"
+    if not isinstance(layer.experts, QuantizedExperts):
+        return "torch"  # the float layer's own expert GEMMs
+    return layer.experts.cuda_paths(num_rows)
 
 
 @torch.no_grad()
@@ -98,29 +99,34 @@ def bench_shape(name: str, args, device: torch.device) -> list[dict]:
 
 
 def kernel_error(experts: QuantizedExperts, device: torch.device) -> float:
-    """Relative difference between the device path and the fp32 emulation on the first weight of
-    every expert, for 3 to 40 rows per expert (one expert gets none)."""
-    weight = next(iter(experts.weights.values()))
+    """Largest relative difference between the device path and the fp32 emulation on the first
+    weight of every expert, for decode-sized (3 to 40) and prefill-sized (100 to 400) row counts
+    per expert; one expert gets no rows."""
+    name, weight = next(iter(experts.weights.items()))
     stack = next(iter(weight.stacks.values()))
-    counts = [(3 + 7 * g) % 41 if g != 1 else 0 for g in range(len(stack.experts))]
-    starts = [sum(counts[:g]) for g in range(len(counts))]
-    x = torch.randn(sum(counts), stack.k, device=device, dtype=torch.bfloat16)
-    y = x.new_zeros(x.size(0), stack.n)
-    grouped_matmul(x, stack.format, stack.stored(), stack.n, stack.k, starts, counts, y, experts.fp8_grouped)
-    reference = torch.cat([
-        emulated_matmul(x[s : s + c], stack.format, {name: t[g] for name, t in stack.stored().items()}, stack.k)
-        for g, (s, c) in enumerate(zip(starts, counts))
-    ])
-    return ((y.float() - reference).norm() / reference.norm()).item()
+    q_G = stack.stored()
+    worst = 0.0
+    for low, span in ((3, 38), (100, 301)):
+        counts = [low + (7 * g) % span if g != 1 else 0 for g in range(len(stack.experts))]
+        starts = [sum(counts[:g]) for g in range(len(counts))]
+        x = torch.randn(sum(counts), stack.k, device=device, dtype=torch.bfloat16)
+        if device.type == "cuda":
+            as_int32 = lambda values: torch.tensor(values, dtype=torch.int32, device=device)  # noqa: E731
+            y = weight.cuda_forward(ExpertInput(x), as_int32(starts), as_int32(counts), x.size(0), packed=True)
+        else:
+            y = weight(x, starts, counts)
+        reference = torch.cat([emulated_matmul(x[s : s + c], stack.format, {key: t[g] for key, t in q_G.items()}, stack.k)
+                               for g, (s, c) in enumerate(zip(starts, counts))])
+        worst = max(worst, ((y.float() - reference).norm() / reference.norm()).item())
+    return worst
 
 
 def bench_format(name: str, layer: MoELayer, float_experts, fmt: str, inputs, buffers, reference, args, device) -> dict:
     if fmt != "bf16":
-        storage = "fp8" if fmt == "fp8_grouped" else fmt
-        layer.experts = QuantizedExperts.from_experts(float_experts, [get_format(storage).name] * layer.num_experts)
-        layer.experts.fp8_grouped = fmt == "fp8_grouped"
+        layer.experts = QuantizedExperts.from_experts(float_experts, [get_format(fmt).name] * layer.num_experts)
     memory = expert_memory(layer)
-    row = {"shape": name, "format": fmt, "path": paths(layer, device),
+    row = {"shape": name, "format": fmt,
+           "path": " / ".join(paths(layer, buffers[phase][1].num_rows, device) for phase in ("decode", "prefill")),
            "expert_weight_bytes": sum(m.bytes for m in memory.values()),
            "bits_per_weight": 8 * sum(m.bytes for m in memory.values()) / sum(m.elements for m in memory.values())}
     if fmt != "bf16":
@@ -135,16 +141,16 @@ def bench_format(name: str, layer: MoELayer, float_experts, fmt: str, inputs, bu
     return row
 
 
-HEADER = (f"{'shape':<13}{'format':<12}{'path':<16}{'GiB':>7}{'bits/w':>7} | {'decode layer':>12}{'experts':>9}"
+HEADER = (f"{'shape':<13}{'format':<11}{'path (decode / prefill)':<36}{'GiB':>7}{'bits/w':>7} | {'decode layer':>12}{'experts':>9}"
           f"{'x bf16':>7} | {'prefill layer':>13}{'experts':>9}{'x bf16':>7} | {'err dec':>8}{'err pre':>8}{'vs emul':>9}")
 
 
 def print_row(row: dict, baseline: dict) -> None:
     """One line per format as soon as it is measured (x bf16: experts-only speed-up over bf16)."""
     if "error" in row:
-        print(f"{row['shape']:<13}{row['format']:<12}FAILED: {row['error']}", flush=True)
+        print(f"{row['shape']:<13}{row['format']:<11}FAILED: {row['error']}", flush=True)
         return
-    print(f"{row['shape']:<13}{row['format']:<12}{row['path']:<16}{row['expert_weight_bytes'] / 2**30:>7.3f}"
+    print(f"{row['shape']:<13}{row['format']:<11}{row['path']:<36}{row['expert_weight_bytes'] / 2**30:>7.3f}"
           f"{row['bits_per_weight']:>7.2f} | {row['decode_layer_ms']:>12.3f}{row['decode_experts_ms']:>9.3f}"
           f"{baseline['decode_experts_ms'] / row['decode_experts_ms']:>7.2f} | {row['prefill_layer_ms']:>13.3f}"
           f"{row['prefill_experts_ms']:>9.3f}{baseline['prefill_experts_ms'] / row['prefill_experts_ms']:>7.2f} | "

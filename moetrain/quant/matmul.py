@@ -2,22 +2,35 @@
 
 On CPU every format is emulated exactly: activations are quantized the way the GPU path quantizes
 them (per token for fp8, 1x128 groups for fp8_block, not at all for bf16 and FP4), both operands
-are dequantized to fp32 and multiplied in fp32. On CUDA:
-  fp8        torch._scaled_mm, per-token activation scales and per-channel weight scales;
-  fp8_block  torch._scaled_mm with 1x128 activation and 128x128 weight scales (needs K % 512 == 0
-             and N % 128 == 0: cuBLAS wants the K-blocks of the weight scales padded to 4);
-  mxfp4, nvfp4  W4A16: Hopper has no FP4 tensor cores, so one Triton launch per format decodes the
-             weights to bf16 inside the GEMM (moetrain.quant.fp4_kernel; needs Triton);
-  bf16       a plain bf16 matmul.
-Shapes or installs the fast kernels cannot take run the emulation on the GPU (dequantize, multiply).
-Shape letters: R rows, K input features, N output features, G experts of one format.
+are dequantized to fp32 and multiplied in fp32. On CUDA each format of a layer takes one path,
+chosen from the rows per expert (R / E, known without waiting for the GPU) by cuda_path:
+
+  path                 formats              when
+  triton               all                  few rows per expert (decode), or rows not packed from
+                                            row 0 (capacity layout, several formats in one layer):
+                                            one grouped Triton GEMM that decodes the weights in
+                                            registers (moetrain.quant.kernels), bound by the weight read
+  scaled_grouped_mm    fp8                  many rows, packed: torch._scaled_grouped_mm, per-token x
+                                            scales and per-channel w scales, FP8 tensor cores
+  dequant+grouped_mm   mxfp4, nvfp4         many rows, packed: FP4 -> bf16 once per call (Triton), then
+                                            torch._grouped_mm (bf16); Hopper has no FP4 tensor cores
+  grouped_mm           bf16                 packed: torch._grouped_mm
+  torch                all                  no Triton: per-expert torch._scaled_mm for fp8 and
+                                            fp8_block, bf16 matmuls, dequantize-and-multiply for FP4
+fp8_block always takes the Triton GEMM (FP8 dots, scaled per 1x128 x 128x128 block in fp32):
+torch._scaled_grouped_mm takes only row-wise scales on Hopper. FP8 activations are quantized by
+one Triton kernel, bit-identical to formats.quantize_fp8_groups, once per input (SwiGLU's gate and
+up share them; the down projection's input is quantized as silu(gate) * up is formed).
+Shape letters: R rows, K input features, N output features, G experts of one format, E all experts.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from moetrain.quant import fp4_kernel
+from moetrain.quant import kernels
 from moetrain.quant.formats import FP8_BLOCK, WeightFormat, dequantize_fp8_groups, quantize_fp8_groups
 
 # How each format's activations are grouped for FP8 quantization (0: the whole row, per token).
@@ -25,15 +38,25 @@ ACTIVATION_GROUP = {"fp8": 0, "fp8_block": FP8_BLOCK}
 ALIGN = 16  # rows per expert in an FP8 GEMM must be a multiple of this
 
 
-def fast_path(fmt: WeightFormat, n: int, k: int) -> str:
-    """Which CUDA path a matrix of this format and shape takes: "kernel" or "emulated"."""
-    if fmt.name == "fp8":
-        return "kernel" if n % 16 == 0 and k % 16 == 0 else "emulated"
-    if fmt.name == "fp8_block":
-        return "kernel" if n % FP8_BLOCK == 0 and k % (4 * FP8_BLOCK) == 0 else "emulated"
-    if fmt.name in ("mxfp4", "nvfp4"):
-        return "kernel" if fp4_kernel.supports(fmt, n, k) else "emulated"
-    return "kernel"
+# Rows per expert up to which a GEMM's time is the weight read: stream the weights (Triton GEMM).
+SMALL_BATCH_ROWS = 64
+
+
+def cuda_path(fmt: WeightFormat, n: int, k: int, rows_per_expert: float, packed: bool) -> str:
+    """The CUDA path of a format's [N, K] GEMM (see the module docstring) for R / E rows per
+    expert; packed: the experts' rows follow each other from row 0, which torch's grouped GEMMs
+    need, as they need N and K in multiples of 16."""
+    packed = packed and n % 16 == 0 and k % 16 == 0
+    if not kernels.available():
+        return "grouped_mm" if fmt.name == "bf16" and packed else "torch"
+    large = packed and rows_per_expert > SMALL_BATCH_ROWS
+    if fmt.name == "bf16":
+        return "grouped_mm" if packed else "triton"
+    if fmt.name == "fp8" and large:
+        return "scaled_grouped_mm"
+    if fmt.name in ("mxfp4", "nvfp4") and large:
+        return "dequant+grouped_mm"
+    return "triton"
 
 
 def quantize_activations(x_RK: torch.Tensor, fmt: WeightFormat) -> tuple[torch.Tensor, torch.Tensor]:
@@ -104,48 +127,89 @@ def quantized_matmul(x_RK: torch.Tensor, fmt: WeightFormat, q: dict[str, torch.T
     return y_RN
 
 
-def _packed(starts: list[int], counts: list[int]) -> bool:
-    """Whether the experts' rows follow each other from row 0 (one format for the whole layer)."""
-    return starts[0] == 0 and all(starts[g + 1] == starts[g] + counts[g] for g in range(len(starts) - 1))
-
-
 def grouped_matmul(x_RK: torch.Tensor, fmt: WeightFormat, q_G: dict[str, torch.Tensor], n: int, k: int,
-                   starts: list[int], counts: list[int], y_RN: torch.Tensor, fp8_grouped: bool = False) -> None:
-    """For each expert g of one format: y[start_g : start_g + count_g] = x[same rows] @ w_g.T, in place.
-    q_G holds the G experts' stored tensors stacked on a leading dimension.
-
-    fp8_grouped: run fp8 through one torch._scaled_grouped_mm launch instead of one _scaled_mm per
-    expert, where the rows allow it (all experts packed from row 0)."""
+                   starts: list[int], counts: list[int], y_RN: torch.Tensor) -> None:
+    """The "torch" path, and the CPU emulation: for each expert g of one format,
+    y[start_g : start_g + count_g] = x[same rows] @ w_g.T, in place. q_G holds the G experts'
+    stored tensors stacked on a leading dimension."""
     segments = [(g, start, count) for g, (start, count) in enumerate(zip(starts, counts)) if count]
     if not segments:
         return
-    kernel = x_RK.is_cuda and fast_path(fmt, n, k) == "kernel"
-    if kernel and fmt.name in ("mxfp4", "nvfp4") and y_RN.dtype == torch.bfloat16 and y_RN.stride(1) == 1:
-        # One launch for all experts of the format, written straight into y.
-        fp4_kernel.grouped_fp4_matmul(x_RK.to(torch.bfloat16).contiguous(), fmt, q_G, k, starts, counts, y_RN)
-        return
-    if kernel and fmt.name in ACTIVATION_GROUP:
-        xq_RK, scale = quantize_activations(x_RK, fmt)
-        if fp8_grouped and fmt.name == "fp8" and _packed(starts, counts):
-            total = starts[-1] + counts[-1]
-            ends_G = torch.tensor(counts, device=x_RK.device).cumsum(0).to(torch.int32)
-            # The grouped kernel wants each expert's weight column-major: w_GNK.transpose is that.
-            y_RN[:total] = torch._scaled_grouped_mm(
-                xq_RK[:total], q_G["data"].transpose(1, 2), scale[:total].view(-1), q_G["scale"], offs=ends_G,
-                out_dtype=torch.bfloat16,
-            ).to(y_RN.dtype)
-            return
-        per_expert_scaled_mm(fmt, xq_RK, scale, q_G, segments, y_RN)
+    if x_RK.is_cuda and fmt.name in ACTIVATION_GROUP and fp8_gemm_fits(fmt, n, k):
+        per_expert_scaled_mm(fmt, *quantize_activations(x_RK, fmt), q_G, segments, y_RN)
         return
     for g, start, count in segments:
         rows = slice(start, start + count)
         q = {name: t[g] for name, t in q_G.items()}
-        if kernel and fmt.name == "bf16":
+        if x_RK.is_cuda and fmt.name == "bf16":
             y_RN[rows] = (x_RK[rows].to(torch.bfloat16) @ q["data"].t()).to(y_RN.dtype)
-        elif kernel:  # an FP4 format into a non-bf16 output: the kernel writes bf16 rows first
-            out_RN = x_RK.new_empty(count, n, dtype=torch.bfloat16)
-            fp4_kernel.grouped_fp4_matmul(x_RK[rows].to(torch.bfloat16).contiguous(), fmt,
-                                          {name: t[g : g + 1] for name, t in q_G.items()}, k, [0], [count], out_RN)
-            y_RN[rows] = out_RN.to(y_RN.dtype)
         else:
             y_RN[rows] = emulated_matmul(x_RK[rows], fmt, q, k).to(y_RN.dtype)
+
+
+def fp8_gemm_fits(fmt: WeightFormat, n: int, k: int) -> bool:
+    """Whether cuBLAS's FP8 GEMM takes the shape: it wants dimensions in multiples of 16 and, for
+    blockwise scales, the weight scales' K-blocks padded to 4 (K % 512 == 0, N % 128 == 0)."""
+    if fmt.name == "fp8":
+        return n % 16 == 0 and k % 16 == 0
+    return n % FP8_BLOCK == 0 and k % (4 * FP8_BLOCK) == 0
+
+
+@dataclass
+class ExpertRows:
+    """Where the rows of the G experts of one format lie in the expert-major buffer: device tensors
+    for the kernels (no host sync), host lists only for the torch path."""
+
+    starts_G: torch.Tensor  # int32, on x's device
+    counts_G: torch.Tensor  # int32
+    rows_per_expert: float  # R / E of the whole layer: what decides decode- or prefill-style paths
+    packed: bool  # the G experts' rows follow each other from row 0 (all experts, dropless layout)
+
+    def lists(self) -> tuple[list[int], list[int]]:
+        return self.starts_G.tolist(), self.counts_G.tolist()
+
+
+class ExpertInput:
+    """A GEMM input x_RK (bf16 on CUDA) with its FP8 quantizations, each computed once: SwiGLU's
+    gate and up projections share them; `fp8` can be given already (the fused SwiGLU kernel)."""
+
+    def __init__(self, x_RK: torch.Tensor | None, fp8: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None):
+        self.x_RK = x_RK
+        self._fp8 = dict(fp8 or {})
+
+    def fp8(self, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(E4M3 values [R, K], fp32 scales [R, ceil(K/group)]); group >= K: one scale per row."""
+        if group not in self._fp8:
+            self._fp8[group] = kernels.quantize_fp8(self.x_RK, group)
+        return self._fp8[group]
+
+
+def activation_group(fmt: WeightFormat, k: int) -> int:
+    return ACTIVATION_GROUP[fmt.name] or k
+
+
+def cuda_matmul(inputs: ExpertInput, fmt: WeightFormat, q_G: dict[str, torch.Tensor], n: int, k: int,
+                rows: ExpertRows, y_RN: torch.Tensor | None) -> torch.Tensor:
+    """The G experts' GEMM on CUDA by cuda_path. Writes into y_RN (bf16) when given; otherwise
+    returns a new [R, N] bf16 tensor whose rows past the experts' rows are left unwritten."""
+    path = cuda_path(fmt, n, k, rows.rows_per_expert, rows.packed)
+    x_RK = inputs.x_RK
+    if path in ("grouped_mm", "scaled_grouped_mm", "dequant+grouped_mm"):  # packed: one format, y_RN is None
+        offsets_G = torch.cumsum(rows.counts_G, 0, dtype=torch.int32)
+        if path == "scaled_grouped_mm":
+            xq_RK, scale_R1 = inputs.fp8(k)
+            # The grouped kernel wants each expert's weight column-major: w_GNK.transpose is that.
+            return torch._scaled_grouped_mm(xq_RK, q_G["data"].transpose(1, 2), scale_R1.view(-1), q_G["scale"],
+                                            offs=offsets_G, out_dtype=torch.bfloat16)
+        w_GNK = q_G["data"] if path == "grouped_mm" else kernels.dequantize_fp4(fmt, q_G, k)
+        return torch._grouped_mm(x_RK, w_GNK.transpose(1, 2), offs=offsets_G)
+    num_rows = (x_RK if x_RK is not None else inputs.fp8(activation_group(fmt, k))[0]).size(0)
+    if y_RN is None:
+        y_RN = torch.empty(num_rows, n, dtype=torch.bfloat16, device=rows.starts_G.device)
+    if path == "torch":
+        grouped_matmul(x_RK, fmt, q_G, n, k, *rows.lists(), y_RN)
+    elif fmt.name in ACTIVATION_GROUP:
+        kernels.grouped_gemm(*inputs.fp8(activation_group(fmt, k)), fmt, q_G, k, rows.starts_G, rows.counts_G, y_RN)
+    else:
+        kernels.grouped_gemm(x_RK, None, fmt, q_G, k, rows.starts_G, rows.counts_G, y_RN)
+    return y_RN
