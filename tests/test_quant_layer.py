@@ -18,7 +18,7 @@ from moetrain.quant import (
     quantize_model, save_quantized,
 )
 from moetrain.quant.formats import dequantize_fp8_groups, quantize_fp8_groups
-from moetrain.quant.matmul import emulated_matmul, grouped_matmul, per_expert_scaled_mm, quantize_activations
+from moetrain.quant.matmul import emulated_matmul, per_expert_scaled_mm, quantize_activations
 
 MIXED = ["bf16", "fp8", "fp8_block", "mxfp4", "nvfp4", "fp8"]
 

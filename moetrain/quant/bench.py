@@ -3,6 +3,7 @@
     python -m moetrain.quant.bench                       # GPU: mixtral and fine-grained shapes
     python -m moetrain.quant.bench --shapes small --device cpu --iters 2    # a quick CPU smoke run
     python -m moetrain.quant.bench --json results.json
+    python -m moetrain.quant.bench --kernels             # GPU: one weight's GEMM on every path
 
 For every format (bf16 = the float MoELayer in bf16, the baseline) it prints the expert-weight
 memory, the GEMM path taken for decode and for prefill (moetrain.quant.matmul.cuda_path), the
@@ -27,7 +28,9 @@ from moetrain.moe.routing import make_plan
 from moetrain.quant.experts import QuantizedExperts
 from moetrain.quant.export import expert_memory
 from moetrain.quant.formats import get_format
-from moetrain.quant.matmul import ExpertInput, emulated_matmul
+from moetrain.quant import kernels
+from moetrain.quant.experts import QuantizedWeight
+from moetrain.quant.matmul import ExpertInput, ExpertRows, cuda_matmul, cuda_path, emulated_matmul
 
 # name: (model_dim, hidden_size, num_experts, top_k)
 SHAPES = {
@@ -158,6 +161,59 @@ def print_row(row: dict, baseline: dict) -> None:
           flush=True)
 
 
+@torch.no_grad()
+def kernel_timings(args, device: torch.device) -> None:
+    """One weight (the first shape's gate projection, [H, D]) of every format through each CUDA path
+    at several rows per expert, timed alone; the path cuda_path picks is marked with *. Also the FP8
+    activation quantization and the FP4 -> bf16 decode on their own."""
+    model_dim, hidden, experts, _ = SHAPES[args.shapes[0]]
+    torch.manual_seed(0)
+    w_EKN = torch.randn(experts, model_dim, hidden, device=device) * model_dim**-0.5
+    weights = {name: QuantizedWeight([name] * experts, hidden, model_dim, device) for name in args.formats}
+    for weight in weights.values():
+        weight.quantize(w_EKN)
+    del w_EKN
+    print(f"kernel timings: [{hidden}, {model_dim}] weight of {experts} experts, ms (median of {args.iters}); "
+          "weight GB/s = stored weight bytes / time, TFLOP/s = 2 R N K / time; * = the path taken")
+    for rows_per_expert in (1, 4, 16, 64, 128, 512, 2048):
+        num_rows = rows_per_expert * experts
+        counts_G = torch.full((experts,), rows_per_expert, dtype=torch.int32, device=device)
+        rows = ExpertRows(torch.cumsum(counts_G, 0, dtype=torch.int32) - counts_G, counts_G, rows_per_expert, True)
+        x_RK = torch.randn(num_rows, model_dim, device=device, dtype=torch.bfloat16)
+        for name, weight in weights.items():
+            stack = weight.stacks[name]
+            fmt, q_G = stack.format, stack.stored()
+            weight_bytes = sum(t.numel() * t.element_size() for t in q_G.values())
+            chosen = cuda_path(fmt, hidden, model_dim, rows_per_expert, True)
+            candidates = {"triton", chosen} | ({"scaled_grouped_mm"} if name == "fp8" else set()) | (
+                {"dequant+grouped_mm"} if name in ("mxfp4", "nvfp4") else set()) | ({"grouped_mm"} if name == "bf16" else set())
+            for path in sorted(candidates):
+                try:
+                    # The FP8 quantization of x is part of each call, as in the layer.
+                    ms = median_ms(lambda: cuda_matmul(ExpertInput(x_RK), fmt, q_G, hidden, model_dim, rows, None, path),
+                                   args.iters, device)
+                    figures = f"{ms:8.3f} ms {weight_bytes / ms / 1e6:8.0f} GB/s {2 * num_rows * hidden * model_dim / ms / 1e9:7.1f} TFLOP/s"
+                except Exception as error:  # one path failing must not hide the others
+                    figures = f"FAILED: {type(error).__name__}: {error}"[:300]
+                mark = "*" if path == chosen else " "
+                print(f"  rows/expert {rows_per_expert:>5} {name:<10}{mark}{path:<20}{figures}", flush=True)
+    for rows, width, group, swiglu in ((16384, model_dim, None, False), (16384, model_dim, 128, False),
+                                       (16384, hidden, None, True), (16384, hidden, 128, True)):
+        x = torch.randn(rows, width, device=device, dtype=torch.bfloat16)
+        up = torch.randn_like(x) if swiglu else None
+        ms = median_ms(lambda: kernels.quantize_fp8(x, group or width, up), args.iters, device)
+        moved = x.numel() * (5 if swiglu else 3)  # bf16 in (twice for SwiGLU), FP8 out
+        print(f"  quantize_fp8 [{rows}, {width}] group {group or 'row'}{' swiglu' if swiglu else ''}: "
+              f"{ms:.3f} ms, {moved / ms / 1e6:.0f} GB/s", flush=True)
+    for name in ("mxfp4", "nvfp4"):
+        if name in weights:
+            stack = weights[name].stacks[name]
+            ms = median_ms(lambda: kernels.dequantize_fp4(stack.format, stack.stored(), model_dim), args.iters, device)
+            moved = experts * hidden * model_dim * 2.5  # half a byte in, two bytes out
+            print(f"  dequantize_fp4 {name} [{experts}, {hidden}, {model_dim}]: {ms:.3f} ms, {moved / ms / 1e6:.0f} GB/s",
+                  flush=True)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shapes", nargs="+", default=["mixtral", "fine_grained"], choices=sorted(SHAPES))
@@ -168,9 +224,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--json", help="also write the rows to this file")
+    parser.add_argument("--kernels", action="store_true",
+                        help="instead: time one weight's GEMM on every CUDA path (first shape) and the Triton kernels alone")
     args = parser.parse_args(argv)
     args.formats = ["bf16"] + [f for f in args.formats if f != "bf16"]  # the baseline of every ratio, first
     device = torch.device(args.device)
+    if args.kernels:
+        if device.type != "cuda" or not kernels.available():
+            parser.error("--kernels needs a CUDA device and Triton")
+        kernel_timings(args, device)
+        return
     card = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     print(f"moetrain.quant.bench: torch {torch.__version__}, {card}, expert={args.expert}, "
           f"decode {args.decode_tokens} / prefill {args.prefill_tokens} tokens, median of {args.iters}; times in ms")

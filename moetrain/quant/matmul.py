@@ -189,10 +189,11 @@ def activation_group(fmt: WeightFormat, k: int) -> int:
 
 
 def cuda_matmul(inputs: ExpertInput, fmt: WeightFormat, q_G: dict[str, torch.Tensor], n: int, k: int,
-                rows: ExpertRows, y_RN: torch.Tensor | None) -> torch.Tensor:
-    """The G experts' GEMM on CUDA by cuda_path. Writes into y_RN (bf16) when given; otherwise
-    returns a new [R, N] bf16 tensor whose rows past the experts' rows are left unwritten."""
-    path = cuda_path(fmt, n, k, rows.rows_per_expert, rows.packed)
+                rows: ExpertRows, y_RN: torch.Tensor | None, path: str | None = None) -> torch.Tensor:
+    """The G experts' GEMM on CUDA by cuda_path (or the given path: the benchmark compares them).
+    Writes into y_RN (bf16) when given; otherwise returns a new [R, N] bf16 tensor whose rows past
+    the experts' rows are left unwritten."""
+    path = path or cuda_path(fmt, n, k, rows.rows_per_expert, rows.packed)
     x_RK = inputs.x_RK
     if path in ("grouped_mm", "scaled_grouped_mm", "dequant+grouped_mm"):  # packed: one format, y_RN is None
         offsets_G = torch.cumsum(rows.counts_G, 0, dtype=torch.int32)
