@@ -86,7 +86,8 @@ class QuantizedWeight(nn.Module):
     def cuda_forward(self, inputs: ExpertInput, starts_E: torch.Tensor, counts_E: torch.Tensor, num_rows: int,
                      packed: bool) -> torch.Tensor:
         """The same on CUDA from device tensors (int32 starts and counts of every expert): bf16 [R, N].
-        One format's GEMM may write its result directly; rows no expert owns are then unwritten."""
+        A layer in one format gets its GEMM's output directly: rows no expert owns are then left
+        unwritten (the packed layout has none: its last expert owns the padding rows)."""
         rows_per_expert = num_rows / len(counts_E)
         if len(self.stacks) == 1:
             stack = next(iter(self.stacks.values()))
@@ -177,11 +178,13 @@ class QuantizedExperts(Experts):
         """The CUDA forward in bf16; the result comes back in x's dtype."""
         num_rows = x_RD.size(0)
         starts32_E, counts32_E = starts_E.to(torch.int32), counts_E.to(torch.int32)
+        if packed:  # the last expert absorbs the padding rows (if any), so every output row is written
+            counts32_E[-1] = num_rows - starts32_E[-1]
 
         def linear(name: str, inputs: ExpertInput) -> torch.Tensor:
             return self.weights[name].cuda_forward(inputs, starts32_E, counts32_E, num_rows, packed)
 
-        x = ExpertInput(x_RD.to(torch.bfloat16))
+        x = ExpertInput(x_RD.to(torch.bfloat16).contiguous())
         if self.kind is FFNExperts:
             expert_R = self._row_expert(starts_E, counts_E, num_rows)
             h_RH = self.act(linear("w1", x) + self._row_bias(self.b1, expert_R, torch.bfloat16))
