@@ -21,6 +21,9 @@ TORCH_LIBRARY(moetrain, m) {
   // Backward of combine: grad_buf[dest[t, k]] = weight[t, k] * grad_y[t] (zero elsewhere) and,
   // when weight_grad, grad_weight[t, k] = <grad_y[t], buf[dest[t, k]]>.
   m.def("combine_backward(Tensor grad_y, Tensor buf, Tensor dest, Tensor weight, int num_rows, bool weight_grad) -> (Tensor, Tensor)");
+  // Expert epilogue of the padded layout, in place: y[r] = act(y[r] + bias[r / rows_per_expert]),
+  // act = relu or identity; y contiguous [..., O] with E * rows_per_expert rows, bias [E, O] of y's dtype.
+  m.def("bias_act_(Tensor(a!) y, Tensor bias, int rows_per_expert, bool relu) -> Tensor(a!)");
 }
 
 // Importing moetrain._C registers the operators above; the module itself has no functions.

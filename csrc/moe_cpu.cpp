@@ -199,9 +199,45 @@ std::tuple<at::Tensor, at::Tensor> combine_backward_cpu(const at::Tensor& grad_y
   return {grad_buf, grad_weight};
 }
 
+// ---------------------------------------------------------------------------------------------
+// bias_act_: y[r] = act(y[r] + bias[r / rows_per_expert]) in place (the padded layout's expert
+// epilogue), one pass over y instead of a broadcasting add and an activation pass.
+
+at::Tensor& bias_act_cpu(at::Tensor& y, const at::Tensor& bias, int64_t rows_per_expert, bool relu) {
+  // y may be [rows, dim] or [experts, rows_per_expert, dim]: only its last dim and size matter.
+  TORCH_CHECK(y.dim() >= 1 && y.is_contiguous(), "bias_act_: y must be contiguous, got strides ", y.strides());
+  const int64_t dim = y.size(-1);
+  TORCH_CHECK(bias.dim() == 2 && bias.size(1) == dim, "bias_act_: bias must be [experts, ", dim, "], got ",
+              bias.sizes());
+  const int64_t rows = dim == 0 ? 0 : y.numel() / dim;
+  TORCH_CHECK(rows_per_expert > 0 && rows == bias.size(0) * rows_per_expert, "bias_act_: y has ", rows,
+              " rows; expected experts * rows_per_expert = ", bias.size(0), " * ", rows_per_expert);
+  TORCH_CHECK(bias.scalar_type() == y.scalar_type(), "bias_act_: bias must have y's dtype ", y.scalar_type(),
+              ", got ", bias.scalar_type());
+  const auto b = bias.contiguous();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, y.scalar_type(), "moetrain_bias_act_cpu", [&] {
+    using acc_t = at::opmath_type<scalar_t>;
+    scalar_t* out = y.data_ptr<scalar_t>();
+    const scalar_t* add = b.data_ptr<scalar_t>();
+    at::parallel_for(0, rows, grain_rows(dim), [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {
+        scalar_t* row = out + r * dim;
+        const scalar_t* bias_row = add + (r / rows_per_expert) * dim;
+        for (int64_t j = 0; j < dim; ++j) {
+          // Rounded once, as torch's add rounds; ReLU keeps NaN, as torch.relu does.
+          const scalar_t sum = static_cast<scalar_t>(static_cast<acc_t>(row[j]) + static_cast<acc_t>(bias_row[j]));
+          row[j] = relu && static_cast<acc_t>(sum) <= acc_t(0) ? scalar_t(0) : sum;
+        }
+      }
+    });
+  });
+  return y;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(moetrain, CPU, m) {
+  m.impl("bias_act_", &bias_act_cpu);
   m.impl("route", &route_cpu);
   m.impl("dispatch", &dispatch_cpu);
   m.impl("combine", &combine_cpu);

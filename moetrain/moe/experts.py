@@ -20,7 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moetrain.ops.grouped import add_expert_bias, expert_matmul
+from moetrain import ops
+from moetrain.ops.grouped import add_expert_bias, expert_matmul, padded_matmul, padded_uses_bmm
 
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {"relu": F.relu, "gelu": F.gelu, "silu": F.silu}
 
@@ -47,7 +48,12 @@ def _uniform(shape, fan_in: int) -> nn.Parameter:
 
 
 class Experts(nn.Module):
-    """Base class for routed experts: num_experts independent networks model_dim -> model_dim."""
+    """Base class for routed experts: num_experts independent networks model_dim -> model_dim.
+
+    impl ("kernel" or "torch", set by MoELayer to its own) says whether compiled kernels may be
+    used inside the experts (FFNExperts' fused epilogue); "torch" keeps them pure torch."""
+
+    impl: str = "torch"
 
     def __init__(self, num_experts: int, model_dim: int, hidden_size: int):
         super().__init__()
@@ -72,8 +78,21 @@ class FFNExperts(Experts):
         self.b2 = mark_expert(nn.Parameter(torch.zeros(num_experts, model_dim)))
 
     def forward(self, x_RD, counts_E, capacity):
+        if capacity is not None and self.impl == "kernel" and padded_uses_bmm():
+            return self._padded_fused(x_RD, capacity)
         h_RH = self.act(add_expert_bias(expert_matmul(x_RD, self.w1, counts_E, capacity), self.b1, counts_E, capacity))
         return add_expert_bias(expert_matmul(h_RH, self.w2, counts_E, capacity), self.b2, counts_E, capacity)
+
+    def _padded_fused(self, x_RD, capacity):
+        """Padded layout: each GEMM's bias (and the ReLU) added in place in one pass over its output
+        (moetrain.ops.bias_act) instead of a broadcasting add and an activation pass."""
+        relu = self.activation == "relu"
+        h_ECH = padded_matmul(x_RD, self.w1, capacity)
+        h_ECH = ops.bias_act(h_ECH, self.b1.to(h_ECH.dtype), capacity, relu)
+        if not relu:
+            h_ECH = self.act(h_ECH)
+        y_ECD = padded_matmul(h_ECH.view(-1, self.hidden_size), self.w2, capacity)
+        return ops.bias_act(y_ECD, self.b2.to(y_ECD.dtype), capacity, False).view(-1, self.model_dim)
 
 
 class SwiGLUExperts(Experts):

@@ -13,7 +13,9 @@ from moetrain.ops.extension import ExtensionUnavailable, has_cuda_kernels, load
 
 IMPLS = ("kernel", "torch")
 
-__all__ = ["IMPLS", "ExtensionUnavailable", "check_impl", "combine", "dispatch", "has_cuda_kernels", "load", "route"]
+__all__ = [
+    "IMPLS", "ExtensionUnavailable", "bias_act", "check_impl", "combine", "dispatch", "has_cuda_kernels", "load", "route",
+]
 
 
 def check_impl(impl: str) -> str:
@@ -81,3 +83,35 @@ def combine(buf_RD: torch.Tensor, dest_TK: torch.Tensor, weight_TK: torch.Tensor
         return reference.combine(buf_RD, dest_TK, weight_TK)
     _kernels(buf_RD.device)
     return _Combine.apply(buf_RD.contiguous(), dest_TK.contiguous(), weight_TK.to(reference.opmath_dtype(buf_RD.dtype)).contiguous())
+
+
+class _BiasAct(torch.autograd.Function):
+    """In place on y (the expert GEMM's output, which that GEMM's backward does not need)."""
+
+    @staticmethod
+    def forward(ctx, y_RO, b_EO, rows_per_expert, relu):
+        ctx.mark_dirty(y_RO)
+        out_RO = torch.ops.moetrain.bias_act_(y_RO, b_EO, rows_per_expert, relu)
+        ctx.relu, ctx.rows_per_expert = relu, rows_per_expert
+        ctx.save_for_backward(out_RO if relu else None)
+        return out_RO
+
+    @staticmethod
+    def backward(ctx, grad_RO):
+        (out_RO,) = ctx.saved_tensors
+        if ctx.relu:  # relu(z) > 0 exactly where z > 0, so the output is the mask
+            grad_RO = torch.ops.aten.threshold_backward(grad_RO, out_RO, 0)
+        grad_b = None
+        if ctx.needs_input_grad[1]:
+            grad_b = grad_RO.reshape(-1, ctx.rows_per_expert, grad_RO.size(-1)).sum(1)
+        return grad_RO, grad_b, None, None
+
+
+def bias_act(y_RO: torch.Tensor, b_EO: torch.Tensor, rows_per_expert: int, relu: bool, impl: str = "kernel") -> torch.Tensor:
+    """act(y[r] + b[r // rows_per_expert]), act = relu or identity: the expert epilogue of the padded
+    layout (E blocks of rows_per_expert rows). The kernel path works in place on y, so y must not
+    be needed elsewhere (a GEMM's fresh output)."""
+    if check_impl(impl) == "torch":
+        return reference.bias_act(y_RO, b_EO, rows_per_expert, relu)
+    _kernels(y_RO.device)
+    return _BiasAct.apply(y_RO.contiguous(), b_EO.contiguous(), rows_per_expert, relu)

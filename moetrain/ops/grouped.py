@@ -45,6 +45,11 @@ def set_default_backend(backend: str) -> None:
     _default_backend = _check_backend(backend)
 
 
+def padded_uses_bmm() -> bool:
+    """Whether the padded layout's expert GEMMs run as bmm (the automatic choice) unless overridden."""
+    return _default_backend in ("auto", "bmm")
+
+
 def grouped_mm_supported(x_RI: torch.Tensor, w_EIO: torch.Tensor) -> tuple[bool, str]:
     """Whether torch._grouped_mm runs these operands, and why not when it does not."""
     if not hasattr(torch, "_grouped_mm"):
@@ -88,6 +93,22 @@ def _offsets(counts_E: torch.Tensor | list[int], num_rows: int, device: torch.de
     return ends_E
 
 
+def _autocast(x_RI: torch.Tensor, w_EIO: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    if torch.is_autocast_enabled(x_RI.device.type):
+        # Autocast does not reach torch._grouped_mm; cast as it would for a matmul, so fp32 master
+        # weights under bf16 autocast still take the grouped GEMM (and bmm sees one dtype).
+        dtype = torch.get_autocast_dtype(x_RI.device.type)
+        x_RI, w_EIO = x_RI.to(dtype), w_EIO.to(dtype)
+    return x_RI, w_EIO
+
+
+def padded_matmul(x_RI: torch.Tensor, w_EIO: torch.Tensor, capacity: int) -> torch.Tensor:
+    """The padded layout's expert GEMM as one bmm -> [E, capacity, O], a fresh tensor (not a view),
+    so that an in-place epilogue (moetrain.ops.bias_act) can follow it without autograd copies."""
+    x_RI, w_EIO = _autocast(x_RI, w_EIO)
+    return torch.bmm(x_RI.view(w_EIO.size(0), capacity, w_EIO.size(1)), w_EIO)
+
+
 def expert_matmul(
     x_RI: torch.Tensor,
     w_EIO: torch.Tensor,
@@ -98,11 +119,7 @@ def expert_matmul(
     """y[r] = x[r] @ w[expert_of(r)] -> [R, O]; differentiable in x and w."""
     num_experts, in_dim, out_dim = w_EIO.shape
     rows = x_RI.size(0)
-    if torch.is_autocast_enabled(x_RI.device.type):
-        # Autocast does not reach torch._grouped_mm; cast as it would for a matmul, so fp32 master
-        # weights under bf16 autocast still take the grouped GEMM (and bmm sees one dtype).
-        dtype = torch.get_autocast_dtype(x_RI.device.type)
-        x_RI, w_EIO = x_RI.to(dtype), w_EIO.to(dtype)
+    x_RI, w_EIO = _autocast(x_RI, w_EIO)
     chosen = _choose(_check_backend(backend), x_RI, w_EIO, capacity is not None)
     if chosen == "bmm":
         return torch.bmm(x_RI.view(num_experts, capacity, in_dim), w_EIO).view(rows, out_dim)

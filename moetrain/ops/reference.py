@@ -49,3 +49,10 @@ def combine(buf_RD: torch.Tensor, dest_TK: torch.Tensor, weight_TK: torch.Tensor
     gathered_TKD = buf_RD[dest_TK.clamp(min=0)]
     y_TD = (gathered_TKD.to(scale_TK.dtype) * scale_TK.unsqueeze(-1)).sum(1)
     return y_TD.to(buf_RD.dtype)
+
+
+def bias_act(y_RO: torch.Tensor, b_EO: torch.Tensor, rows_per_expert: int, relu: bool) -> torch.Tensor:
+    """act(y[r] + b[r // rows_per_expert]) for the padded layout (act = relu or identity)."""
+    num_experts, out_dim = b_EO.shape
+    out = (y_RO.view(num_experts, rows_per_expert, out_dim) + b_EO.unsqueeze(1)).view_as(y_RO)
+    return torch.relu(out) if relu else out
