@@ -103,7 +103,10 @@ def finite_amax(x: torch.Tensor, dim) -> tuple[torch.Tensor, torch.Tensor]:
 
 def fp8_scale(amax: torch.Tensor, all_finite: torch.Tensor) -> torch.Tensor:
     """fp32 scale that maps amax onto E4M3's largest value; 1 for an all-zero group, NaN if non-finite."""
-    scale = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
+    # A tensor divisor: CUDA turns division by a Python number into multiplication by its rounded
+    # reciprocal, which would make the scales differ from the CPU's (and the Triton kernel's) in the
+    # last bit.
+    scale = torch.where(amax > 0, amax / torch.full_like(amax, E4M3_MAX), torch.ones_like(amax))
     return torch.where(all_finite, scale, torch.full_like(scale, math.nan))
 
 
