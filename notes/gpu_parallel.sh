@@ -46,7 +46,7 @@ echo "benchmark rc=${PIPESTATUS[0]} in $((SECONDS - start)) s"
 
 echo "== benchmark, high-priority NCCL streams (TORCH_NCCL_HIGH_PRIORITY=1), no profile"
 start=$SECONDS
-TORCH_NCCL_HIGH_PRIORITY=1 timeout 200 python3 -m moetrain.parallel.benchmark --gpus 2 --overlap 1,2,4 \
+TORCH_NCCL_HIGH_PRIORITY=1 timeout 200 python3 -m moetrain.parallel.benchmark --gpus 2 --overlap 1,2 \
   > "$out/benchmark_high_priority.log" 2>&1
 echo "benchmark rc=$? in $((SECONDS - start)) s"
-grep -v -E '^\{|^moetrain: ' "$out/benchmark_high_priority.log" | tail -6
+grep -v -E '^\{|^moetrain: ' "$out/benchmark_high_priority.log" | tail -8

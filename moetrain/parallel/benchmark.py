@@ -35,7 +35,7 @@ import torch.distributed as dist
 from torch import nn
 
 from moetrain import MoELayer
-from moetrain.parallel.expert import parallelize
+from moetrain.parallel.expert import EXCHANGES, parallelize
 from moetrain.parallel.launch import spawn
 from moetrain.parallel.optimizer import DistributedOptimizer
 
@@ -187,10 +187,15 @@ def _single_gpu(args) -> dict:
 
 def _multi_gpu(rank: int, world: int, args, out_path: str) -> None:
     model = _build(args)
-    parallelize(model, adaptive_r=1)
+    strategies = parallelize(model, adaptive_r=1)
     optimizer = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1e-6), model)
-    results = {degree: _run_row(lambda: _measure(model, optimizer, args, a2a_ffn_overlap_degree=degree))
-               for degree in args.overlap}
+    results = {}
+    for exchange in args.exchange:
+        for strategy in strategies:
+            strategy.exchange = exchange
+        for degree in args.overlap:
+            results[f"{exchange} {degree}"] = _run_row(
+                lambda: _measure(model, optimizer, args, a2a_ffn_overlap_degree=degree))
     if rank == 0:
         with open(out_path, "w") as file:
             json.dump(results, file)
@@ -210,8 +215,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--impl", choices=("kernel", "torch"), default="kernel", help="dispatch/combine implementation")
+    parser.add_argument("--exchange", type=lambda text: text.split(","), default=list(EXCHANGES),
+                        help=f"how the rows travel, comma-separated from {EXCHANGES}")
     parser.add_argument("--profile", action="store_true", help="also profile one step per setup (see above)")
     args = parser.parse_args(argv)
+    if not set(args.exchange) <= set(EXCHANGES):
+        parser.error(f"--exchange must name some of {EXCHANGES}, got {args.exchange}")
     if not torch.cuda.is_available() or torch.cuda.device_count() < args.gpus:
         parser.error(f"needs {args.gpus} CUDA GPUs, found {torch.cuda.device_count() if torch.cuda.is_available() else 0}")
 
@@ -222,11 +231,13 @@ def main(argv: list[str] | None = None) -> int:
         try:
             spawn(_multi_gpu, args.gpus, args=(args, out_path), backend="nccl")
             with open(out_path) as file:
-                multi = {int(degree): row for degree, row in json.load(file).items()}
+                multi = json.load(file)
         except Exception as error:  # noqa: BLE001 - still print the one-GPU row
-            multi = {degree: {"error": f"{type(error).__name__}: {error}"} for degree in args.overlap}
+            multi = {f"{exchange} {degree}": {"error": f"{type(error).__name__}: {error}"}
+                     for exchange in args.exchange for degree in args.overlap}
 
-    rows = [("1 GPU", 1, None, single)] + [(f"{args.gpus} GPUs EP", args.gpus, degree, row) for degree, row in multi.items()]
+    rows = [("1 GPU", 1, None, single)] + [(f"{args.gpus} GPUs {key.split()[0]}", args.gpus, int(key.split()[1]), row)
+                                           for key, row in multi.items()]
     report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "config": vars(args), "runs": []}
     _print_table(rows, args, report)
     if args.profile:
@@ -238,11 +249,12 @@ def main(argv: list[str] | None = None) -> int:
 def _print_table(rows, args, report) -> None:
     flop_per_token = args.layers * args.top_k * args.dim * args.hidden * 2 * 2 * 3
     base = args.tokens / rows[0][3]["step_s"] if "step_s" in rows[0][3] else None
-    print(f"{'setup':14s} {'overlap':>7s} {'step ms':>9s} {'tokens/s':>12s} {'expert TFLOP/s/GPU':>19s} {'speedup':>8s}")
+    print(f"{'setup':20s} {'overlap':>7s} {'step ms':>9s} {'tokens/s':>12s} {'expert TFLOP/s/GPU':>19s} {'speedup':>8s}")
     for name, gpus, degree, row in rows:
-        label = f"{name:14s} {degree if degree else '-':>7}"
+        label = f"{name:20s} {degree if degree else '-':>7}"
         if "step_s" not in row:
             print(f"{label} FAILED {row['error']}")
+            print("".join(f"    {line}\n" for line in row.get("traceback", "").splitlines()[-6:]), end="")
             report["runs"].append({"setup": name, "gpus": gpus, "overlap": degree, **row})
             continue
         seconds = row["step_s"]
@@ -257,10 +269,10 @@ def _print_table(rows, args, report) -> None:
 def _print_profiles(rows) -> None:
     print("\none profiled step, rank 0, GPU milliseconds (NCCL alone: no other kernel running; syncs: host syncs)")
     columns = ("span", "fwd", "bwd", "optim", "GEMM", "NCCL", "alone", "copies", "other", "idle", "syncs")
-    print(f"{'setup':14s} {'overlap':>7s} " + " ".join(f"{column:>7s}" for column in columns))
+    print(f"{'setup':20s} {'overlap':>7s} " + " ".join(f"{column:>7s}" for column in columns))
     for name, _, degree, row in rows:
         profile = row.get("profile") or {}
-        label = f"{name:14s} {degree if degree else '-':>7}"
+        label = f"{name:20s} {degree if degree else '-':>7}"
         if "span_ms" not in profile:
             print(f"{label} no profile: {profile.get('error') or row.get('error')}")
             continue
