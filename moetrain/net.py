@@ -133,7 +133,7 @@ def all_to_all_single(x: torch.Tensor, output_split_sizes=None, input_split_size
 # --------------------------------------------------------------------------- asynchronous exchanges
 
 
-def _launch_blocks(x: torch.Tensor, send_to: list[int], recv_from: list[int], group) -> tuple[torch.Tensor, list]:
+def _launch_blocks(x: torch.Tensor, send_to: list[int], recv_from: list[int], group) -> tuple[torch.Tensor, list, list]:
     """Block b of x (x[b]) goes to member send_to[b]; block b of the result comes from member
     recv_from[b]. Between two members the k-th block sent pairs with the k-th block received, so
     neither side needs to know the other's block order. Blocks that stay are copied locally."""
@@ -146,17 +146,18 @@ def _launch_blocks(x: torch.Tensor, send_to: list[int], recv_from: list[int], gr
         raise ValueError(f"exchange: {len(kept_in)} block(s) stay on member {me} but {len(kept_out)} are expected")
     for source, target in zip(kept_in, kept_out):
         out[target].copy_(x[source])
-    operations, sent, received = [], {}, {}
+    operations, sending, sent, received = [], [], {}, {}
     if math.prod(x.shape[1:]):  # empty blocks need no messages
         for b, peer in enumerate(send_to):
             if peer != me:  # the tag orders the pair's blocks where the backend does not (Gloo)
                 sent[peer] = sent.get(peer, -1) + 1
-                operations.append(dist.P2POp(dist.isend, x[b].contiguous(), ranks[peer], group, sent[peer]))
+                sending.append(x[b].contiguous())
+                operations.append(dist.P2POp(dist.isend, sending[-1], ranks[peer], group, sent[peer]))
         for b, peer in enumerate(recv_from):
             if peer != me:
                 received[peer] = received.get(peer, -1) + 1
                 operations.append(dist.P2POp(dist.irecv, out[b], ranks[peer], group, received[peer]))
-    return out, dist.batch_isend_irecv(operations) if operations else []
+    return out, dist.batch_isend_irecv(operations) if operations else [], sending
 
 
 class ExchangeInFlight:
@@ -167,21 +168,25 @@ class ExchangeInFlight:
     def __init__(self, group, send_to: list[int] | None = None, recv_from: list[int] | None = None):
         self.group, self.send_to, self.recv_from = group, send_to, recv_from
         self.works: list = []
+        self.sending: list[torch.Tensor] = []
         self.output: torch.Tensor | None = None
 
     def launch(self, x: torch.Tensor, reverse: bool = False) -> torch.Tensor:
+        # The input stays referenced until finish(): until then the caching allocator must not hand
+        # its memory to kernels of the current stream while the exchange may still read it.
         if self.send_to is None:  # an equal-split all-to-all is its own reverse
-            out = torch.empty_like(x, memory_format=torch.contiguous_format)
-            self.works = [dist.all_to_all_single(out, x.contiguous(), group=self.group, async_op=True)]
+            self.sending = [x.contiguous()]
+            out = torch.empty_like(self.sending[0])
+            self.works = [dist.all_to_all_single(out, self.sending[0], group=self.group, async_op=True)]
             return out
         send_to, recv_from = (self.recv_from, self.send_to) if reverse else (self.send_to, self.recv_from)
-        out, self.works = _launch_blocks(x, send_to, recv_from, self.group)
+        out, self.works, self.sending = _launch_blocks(x, send_to, recv_from, self.group)
         return out
 
     def finish(self) -> None:
         for work in self.works:
             work.wait()
-        self.works = []
+        self.works, self.sending = [], []
 
 
 class _StartExchange(torch.autograd.Function):
