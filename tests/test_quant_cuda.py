@@ -8,9 +8,9 @@ import torch.nn.functional as F
 
 from moetrain import MoELayer
 from moetrain.quant import QuantizedExperts, get_format, kernels
+from moetrain.quant.experts import QuantizedWeight
 from moetrain.quant.formats import quantize_fp8_groups
 from moetrain.quant.matmul import ExpertInput, cuda_path, emulated_matmul
-from moetrain.quant.experts import QuantizedWeight
 
 pytestmark = [
     pytest.mark.cuda,
@@ -100,10 +100,12 @@ def test_cuda_experts_match_the_cpu_emulation(expert, capacity, formats, counts)
     x_RD = torch.zeros(6 * capacity if capacity else sum(counts), 256)
     for s, c in zip(starts, counts):
         x_RD[s : s + c] = torch.randn(c, 256)
-    x_RD = x_RD.to(torch.bfloat16).float()  # the same values on both devices
-    expected = experts(x_RD, counts_E, capacity)
-    y = experts.cuda()(x_RD.cuda().to(torch.bfloat16), counts_E.cuda(), capacity).float().cpu()
+    x_RD = x_RD.to(torch.bfloat16)
+    # The CPU emulation with bf16 activations rounds between the GEMMs as the GPU does, so only
+    # accumulation order (and Triton's exp in the fused SwiGLU) can tell them apart.
+    expected = experts(x_RD, counts_E, capacity).float()
+    y = experts.cuda()(x_RD.cuda(), counts_E.cuda(), capacity).float().cpu()
     for s, c in zip(starts, counts):
-        if c:  # bf16 activations between the GEMMs on the GPU, fp32 in the emulation
+        if c:
             assert torch.isfinite(y[s : s + c]).all()
-            assert (y[s : s + c] - expected[s : s + c]).norm() / expected[s : s + c].norm() < 2e-2
+            assert (y[s : s + c] - expected[s : s + c]).norm() / expected[s : s + c].norm() < 1e-2
