@@ -111,9 +111,9 @@ if triton is not None:
 
     @triton.jit
     def _grouped_gemm_kernel(
-        x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, tensor_scale_ptr, y_ptr, start_ptr, count_ptr, tile_end_ptr,
-        N, K, ROW_TILES, stride_xr, stride_xsr, stride_wg, stride_wn, stride_wsg, stride_wsn, stride_yr,
-        FORMAT: tl.constexpr, SCALE_BLOCK: tl.constexpr, NUM_EXPERTS: tl.constexpr, EXPERTS_P2: tl.constexpr,
+        x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, tensor_scale_ptr, y_ptr, start_ptr, count_ptr,
+        N, K, ROW_TILES, NUM_EXPERTS, stride_xr, stride_xsr, stride_wg, stride_wn, stride_wsg, stride_wsn, stride_yr,
+        FORMAT: tl.constexpr, SCALE_BLOCK: tl.constexpr, EXPERTS_P2: tl.constexpr,
         BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_R: tl.constexpr,
     ):
         # Tile (row tile t, column tile n), ordered in bands of GROUP_R row tiles so that the
@@ -125,10 +125,12 @@ if triton is not None:
         band_rows = min(ROW_TILES - first, GROUP_R)
         tile = first + (pid % (GROUP_R * column_tiles)) % band_rows
         pid_n = (pid % (GROUP_R * column_tiles)) // band_rows
-        # Row tile -> expert: tile_end[g] is the number of row tiles of experts 0..g.
+        # Row tile -> expert: tile_end[g] is the number of row tiles of experts 0..g (a few hundred
+        # bytes every program reads, instead of a launch that would compute them).
         experts = tl.arange(0, EXPERTS_P2)
-        tile_end = tl.load(tile_end_ptr + experts, mask=experts < NUM_EXPERTS, other=2**30)
-        g = tl.sum((tile_end <= tile).to(tl.int32))
+        expert_counts = tl.load(count_ptr + experts, mask=experts < NUM_EXPERTS, other=0)
+        tile_end = tl.cumsum(tl.cdiv(expert_counts, BLOCK_R), 0)
+        g = tl.sum(((tile_end <= tile) & (experts < NUM_EXPERTS)).to(tl.int32))
         if g >= NUM_EXPERTS:
             return  # past the last expert's tiles: the grid is sized for the worst case
         first_tile = tl.sum(tl.where(experts == g - 1, tile_end, 0))  # row tiles of experts before g
@@ -249,7 +251,6 @@ def grouped_gemm(x_RK: torch.Tensor, x_scale: torch.Tensor | None, fmt: WeightFo
         return
     code = FORMAT_CODES[fmt.name]
     block_r, block_n, block_k, warps, stages = _tiles(fmt, rows / num_experts)
-    tile_end_G = torch.cumsum(torch.div(counts_G + block_r - 1, block_r, rounding_mode="floor"), 0).to(torch.int32)
     row_tiles = triton.cdiv(rows, block_r) + num_experts  # each expert wastes at most one partial tile
     if code in (1, 2):
         x_RK = x_RK.view(torch.uint8)
@@ -264,10 +265,10 @@ def grouped_gemm(x_RK: torch.Tensor, x_scale: torch.Tensor | None, fmt: WeightFo
         data = data.view(torch.uint8)
     grid = (row_tiles * triton.cdiv(n, block_n),)
     _grouped_gemm_kernel[grid](
-        x_RK, x_scale, data, w_scale, tensor_scale, y_RN, starts_G, counts_G, tile_end_G,
-        n, k, row_tiles, x_RK.stride(0), x_scale.stride(0), data.stride(0), data.stride(1),
+        x_RK, x_scale, data, w_scale, tensor_scale, y_RN, starts_G, counts_G,
+        n, k, row_tiles, num_experts, x_RK.stride(0), x_scale.stride(0), data.stride(0), data.stride(1),
         w_scale.stride(0), w_scale.stride(1) if w_scale.dim() > 1 else 0, y_RN.stride(0),
-        FORMAT=code, SCALE_BLOCK=scale_block, NUM_EXPERTS=num_experts,
+        FORMAT=code, SCALE_BLOCK=scale_block,
         EXPERTS_P2=triton.next_power_of_2(num_experts), BLOCK_R=block_r, BLOCK_N=block_n, BLOCK_K=block_k,
         GROUP_R=8, num_warps=warps, num_stages=stages,
     )
