@@ -177,7 +177,7 @@ class QuantizedExperts(Experts):
                       packed: bool) -> torch.Tensor:
         """The CUDA forward in bf16; the result comes back in x's dtype."""
         num_rows = x_RD.size(0)
-        starts32_E, counts32_E = starts_E.to(torch.int32), counts_E.to(torch.int32)
+        starts32_E, counts32_E = starts_E.to(torch.int32), counts_E.to(torch.int32, copy=True)  # changed below
         if packed:  # the last expert absorbs the padding rows (if any), so every output row is written
             counts32_E[-1] = num_rows - starts32_E[-1]
 
