@@ -7,9 +7,10 @@ from a single-process reference, which the tests below read:
     net.block_exchange_start with blocks in a mixed order, forward and backward, against an
     emulation of both ranks in one process;
   - a padded MoE layer whose ranks hold different token counts (so different capacities, agreed
-    on the host) under a2a_ffn_overlap_degree 1, 2 and 4, with each way of exchanging the rows: outputs, input gradients and expert and
-    router gradients against the same layer run whole in one process, and the degrees against each
-    other; the number of exchanges shows the chunking really happened;
+    on the host) under a2a_ffn_overlap_degree 1, 2 and 4, with each way of exchanging the rows:
+    outputs, input gradients and expert and router gradients against the same layer run whole in
+    one process, and the degrees against each other; the number of exchanges shows the chunking
+    really happened;
   - one expert replicated on both ranks with its hidden dim split (adaptive_r=2), chunked.
 """
 
@@ -45,7 +46,7 @@ def _randn(*shape, generator) -> torch.Tensor:
     return torch.randn(*shape, generator=generator).to(_device())
 
 
-def _check_async_all_to_all(results: dict, rank: int) -> None:
+def _check_exchanges(results: dict, rank: int) -> None:
     gen = torch.Generator().manual_seed(5)
     inputs = [[_randn(4, 3, generator=gen) for _ in range(WORLD)] for _ in range(3)]
     upstream = [[_randn(4, 3, generator=gen) for _ in range(WORLD)] for _ in range(3)]
@@ -142,7 +143,7 @@ def _compare_layer(results: dict, tag: str, layer: MoELayer, rank: int, calls: l
 
 def worker(rank: int, world: int, out_dir: str) -> None:
     results = {}
-    _check_async_all_to_all(results, rank)
+    _check_exchanges(results, rank)
     calls = _counting_starts()
     for exchange in EXCHANGES:
         torch.manual_seed(0)
