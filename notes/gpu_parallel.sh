@@ -3,10 +3,13 @@
 #   bash notes/gpu_parallel.sh OUTDIR
 # 1. JIT-builds the kernels (build.log), 2. NCCL equivalence self-check (check.log),
 # 3. the NCCL half of tests/test_parallel_overlap.py (tests.log), 4. the 2-GPU benchmark with one
-# profiled step per setup (parallel_benchmark.log), 5. the same with high-priority NCCL streams
-# (benchmark_high_priority.log). Prints a compact summary; about 3 minutes on 2 H200.
+# profiled step per setup (parallel_benchmark.log); optional 5. the benchmark with high-priority
+# NCCL streams (benchmark_high_priority.log). Prints a compact summary; about 3.5 minutes on 2 H200.
+# STEPS picks a subset (default "check tests bench"; add "priority" for 5), e.g. STEPS="bench".
 set -u
 out=${1:?usage: bash notes/gpu_parallel.sh OUTDIR}
+steps=" ${STEPS:-check tests bench} "
+want() { [[ "$steps" == *" $1 "* ]]; }
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 
@@ -27,26 +30,34 @@ timeout 300 python3 -c "from moetrain import ops; ops.load(); print('CUDA kernel
   > "$out/build.log" 2>&1
 echo "build rc=$? in $((SECONDS - start)) s"; tail -1 "$out/build.log"
 
-echo "== NCCL equivalence (python -m moetrain.parallel.check --nproc 2)"
-start=$SECONDS
-timeout 240 python3 -m moetrain.parallel.check --nproc 2 > "$out/check.log" 2>&1
-echo "check rc=$? in $((SECONDS - start)) s"
-grep -E "FAIL|ranks, backend" "$out/check.log" | tail -12
+if want check; then
+  echo "== NCCL equivalence (python -m moetrain.parallel.check --nproc 2)"
+  start=$SECONDS
+  timeout 240 python3 -m moetrain.parallel.check --nproc 2 > "$out/check.log" 2>&1
+  echo "check rc=$? in $((SECONDS - start)) s"
+  grep -E "FAIL|ranks, backend|Error" "$out/check.log" | tail -12
+fi
 
-echo "== tests (NCCL)"
-start=$SECONDS
-timeout 180 python3 -m pytest -q -p no:cacheprovider tests/test_parallel_overlap.py -k nccl > "$out/tests.log" 2>&1
-echo "tests rc=$? in $((SECONDS - start)) s"; grep -E "passed|failed|Error|assert" "$out/tests.log" | tail -8
+if want tests; then
+  echo "== tests (NCCL)"
+  start=$SECONDS
+  timeout 180 python3 -m pytest -q -p no:cacheprovider tests/test_parallel_overlap.py -k nccl > "$out/tests.log" 2>&1
+  echo "tests rc=$? in $((SECONDS - start)) s"; grep -E "passed|failed|Error|assert" "$out/tests.log" | tail -8
+fi
 
-echo "== benchmark (python -m moetrain.parallel.benchmark --gpus 2 --profile)"
-start=$SECONDS
-timeout 300 python3 -m moetrain.parallel.benchmark --gpus 2 --profile 2>&1 | tee "$out/parallel_benchmark.log" \
-  | grep -v -E '^\{|^moetrain: '
-echo "benchmark rc=${PIPESTATUS[0]} in $((SECONDS - start)) s"
+if want bench; then
+  echo "== benchmark (python -m moetrain.parallel.benchmark --gpus 2 --profile)"
+  start=$SECONDS
+  timeout 300 python3 -m moetrain.parallel.benchmark --gpus 2 --profile 2>&1 | tee "$out/parallel_benchmark.log" \
+    | grep -v -E '^\{|^moetrain: '
+  echo "benchmark rc=${PIPESTATUS[0]} in $((SECONDS - start)) s"
+fi
 
-echo "== benchmark, high-priority NCCL streams (TORCH_NCCL_HIGH_PRIORITY=1), no profile"
-start=$SECONDS
-TORCH_NCCL_HIGH_PRIORITY=1 timeout 200 python3 -m moetrain.parallel.benchmark --gpus 2 --overlap 1,2 \
-  > "$out/benchmark_high_priority.log" 2>&1
-echo "benchmark rc=$? in $((SECONDS - start)) s"
-grep -v -E '^\{|^moetrain: ' "$out/benchmark_high_priority.log" | tail -8
+if want priority; then
+  echo "== benchmark, high-priority NCCL streams (TORCH_NCCL_HIGH_PRIORITY=1), no profile"
+  start=$SECONDS
+  TORCH_NCCL_HIGH_PRIORITY=1 timeout 200 python3 -m moetrain.parallel.benchmark --gpus 2 --overlap 1,2 \
+    > "$out/benchmark_high_priority.log" 2>&1
+  echo "benchmark rc=$? in $((SECONDS - start)) s"
+  grep -v -E '^\{|^moetrain: ' "$out/benchmark_high_priority.log" | tail -8
+fi
