@@ -23,6 +23,11 @@ TORCH_LIBRARY(moetrain, m) {
   m.def("combine_backward(Tensor grad_y, Tensor buf, Tensor dest, Tensor weight, int num_rows, bool weight_grad) -> (Tensor, Tensor)");
   // Expert epilogue of the padded layout, in place: y[r] = act(y[r] + bias[r / rows_per_expert]),
   // act = relu or identity; y contiguous [..., O] with E * rows_per_expert rows, bias [E, O] of y's dtype.
+  // Router logits in fp32 from 16-bit activations without an fp32 copy of them (CUDA only):
+  // float(x [T, D]) @ w [E, D]^T -> [T, E] float32, E <= 64, D % 8 == 0; and its backward
+  // (grad_x in x's dtype, grad_w float32; each computed only when asked for).
+  m.def("router_logits(Tensor x, Tensor w) -> Tensor");
+  m.def("router_logits_backward(Tensor grad, Tensor x, Tensor w, bool x_grad, bool w_grad) -> (Tensor, Tensor)");
   m.def("bias_act_(Tensor(a!) y, Tensor bias, int rows_per_expert, bool relu) -> Tensor(a!)");
 }
 

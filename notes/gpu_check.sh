@@ -33,7 +33,7 @@ echo "build rc=$? in $((SECONDS - start)) s"; tail -3 "$out/build.log"
 if want tests; then
   echo "== tests"
   timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_cuda_ops.py tests/test_cuda_grouped.py \
-    tests/test_bench.py > "$out/tests.log" 2>&1
+    tests/test_bias_act.py tests/test_router_kernel.py tests/test_bench.py > "$out/tests.log" 2>&1
   echo "tests rc=$?"; tail -4 "$out/tests.log"
 fi
 
@@ -47,8 +47,8 @@ if want memcheck; then
   echo "== memcheck"
   # No caching allocator: each tensor is its own allocation, so an access past its end is caught.
   PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout 150 compute-sanitizer --tool memcheck --error-exitcode 9 \
-    python3 -m pytest -q -p no:cacheprovider tests/test_cuda_ops.py \
-    -k "one_hot or misaligned or empty or combine_backward_kernel or (forward_backward and (1000-bfloat16 or 7-float32)) or (route_matches_reference and 300)" \
+    python3 -m pytest -q -p no:cacheprovider tests/test_cuda_ops.py tests/test_bias_act.py tests/test_router_kernel.py \
+    -k "one_hot or misaligned or empty or combine_backward_kernel or (forward_backward and (1000-bfloat16 or 7-float32)) or (route_matches_reference and 300) or bias_act or router" \
     > "$out/memcheck.log" 2>&1
   echo "memcheck rc=$?"; grep -E "ERROR SUMMARY|passed|failed" "$out/memcheck.log" | tail -3
 fi

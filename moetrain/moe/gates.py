@@ -26,7 +26,12 @@ class GateOutput:
 
 
 class Gate(nn.Module):
-    """Base class. Subclasses are built as Cls(model_dim, num_experts, **gate_kwargs)."""
+    """Base class. Subclasses are built as Cls(model_dim, num_experts, **gate_kwargs).
+
+    impl ("kernel" or "torch", set by MoELayer to its own) says whether the router may use the
+    compiled kernels (moetrain.ops.router_logits)."""
+
+    impl: str = "torch"
 
     def __init__(self, model_dim: int, num_experts: int):
         super().__init__()

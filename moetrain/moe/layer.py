@@ -90,7 +90,8 @@ class MoELayer(nn.Module):
         self.z_loss_weight = float(z_loss_weight)
         self.gate: Gate = build_gate(gate, model_dim, num_experts, gate_kwargs)
         self.experts = build_experts(expert, num_experts, model_dim, hidden_size, activation)
-        self.experts.impl = self.impl  # compiled kernels inside the experts follow the layer's choice
+        # Compiled kernels inside the gate and the experts follow the layer's choice.
+        self.gate.impl = self.experts.impl = self.impl
         self.shared = None
         if num_shared_experts:
             kind = "swiglu" if expert == "swiglu" else "ffn"

@@ -16,7 +16,8 @@ import torch
 from torch import nn
 
 from moetrain.moe.losses import choice_counts
-from moetrain.moe.gates import Gate, GateOutput, register_gate, router_float
+from moetrain import ops
+from moetrain.moe.gates import Gate, GateOutput, register_gate
 
 
 @register_gate("sigmoid")
@@ -44,8 +45,7 @@ class SigmoidGate(Gate):
         self.register_buffer("pending_load", torch.zeros(num_experts), persistent=False)
 
     def forward(self, x_TD: torch.Tensor, top_k: int) -> GateOutput:
-        x_TD = router_float(x_TD)
-        logits_TE = x_TD @ self.weight_ED.to(x_TD.dtype).t()
+        logits_TE = ops.router_logits(x_TD, self.weight_ED, self.impl)  # in fp32
         scores_TE = torch.sigmoid(logits_TE)
         choice_TE = scores_TE + self.expert_bias
         if self.n_group > 1:

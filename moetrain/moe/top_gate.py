@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from moetrain import ops
 from moetrain.moe.gates import Gate, GateOutput, register_gate, router_float, softmax_topk
 
 
@@ -24,9 +25,9 @@ class TopKGate(Gate):
         nn.init.normal_(self.weight_ED, std=model_dim**-0.5)
 
     def forward(self, x_TD: torch.Tensor, top_k: int) -> GateOutput:
-        x_TD = router_float(x_TD)
         if self.training and self.jitter_eps > 0:
             # Switch Transformer's jitter: multiplicative uniform noise on the router input.
+            x_TD = router_float(x_TD)
             x_TD = x_TD * torch.empty_like(x_TD).uniform_(1 - self.jitter_eps, 1 + self.jitter_eps)
-        logits_TE = x_TD @ self.weight_ED.to(x_TD.dtype).t()
+        logits_TE = ops.router_logits(x_TD, self.weight_ED, self.impl)  # in fp32
         return softmax_topk(logits_TE, top_k, self.normalize)

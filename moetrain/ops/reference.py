@@ -56,3 +56,9 @@ def bias_act(y_RO: torch.Tensor, b_EO: torch.Tensor, rows_per_expert: int, relu:
     num_experts, out_dim = b_EO.shape
     out = (y_RO.view(num_experts, rows_per_expert, out_dim) + b_EO.unsqueeze(1)).view_as(y_RO)
     return torch.relu(out) if relu else out
+
+
+def router_logits(x_TD: torch.Tensor, w_ED: torch.Tensor) -> torch.Tensor:
+    """Router logits computed in fp32 (fp64 stays fp64) whatever x's dtype."""
+    dtype = torch.promote_types(x_TD.dtype, torch.float32)
+    return x_TD.to(dtype) @ w_ED.to(dtype).t()

@@ -1,0 +1,299 @@
+// The fp32 router of a 16-bit model, without an fp32 copy of its input (schemas in ../bindings.cpp,
+// the pure-torch version is moetrain/ops/reference.py: router_logits).
+//
+// logits [T, E] = float(x [T, D]) @ w [E, D]^T with fp32 weights and fp32 arithmetic, as a router
+// that casts x to fp32 computes it. Through torch that is a cast pass writing an fp32 copy of x,
+// an fp32 GEMM with N = E (cuBLAS runs SIMT kernels at a few % of the card for such a thin N), and
+// in the backward two more fp32 GEMMs and a cast of grad_x back. Here each kernel reads x (or
+// writes grad_x) once in its own dtype, with 16-byte vectors:
+//   forward   a warp owns TPW tokens; w's columns for a 256-wide slice of D sit in shared memory;
+//             each lane multiplies its 8 columns, a warp shuffle reduces over lanes;
+//   grad_x    the same layout: grad_x[t, d] = sum_e grad[t, e] * w[e, d], written in x's dtype;
+//   grad_w    each thread owns 8 columns and 8 experts over a chunk of tokens; chunk partial sums
+//             [chunks, E, D] are reduced by torch (a small tensor).
+// E <= 64 and D a multiple of 8 (the Python side falls back to torch otherwise).
+#include <ATen/Dispatch.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <ATen/ops/zeros.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <tuple>
+#include <type_traits>
+
+#include "rows.cuh"
+
+namespace moetrain {
+namespace {
+
+constexpr int kWarps = 8;
+constexpr int kChunk = 256;        // columns of D per shared-memory tile: 32 lanes x 8
+constexpr int kTokensPerChunk = 128;  // grad_w: tokens summed by one thread before writing a partial
+constexpr unsigned kAllLanes = 0xffffffffu;
+
+template <typename scalar_t>
+__device__ inline void load8(const scalar_t* p, float (&v)[8]) {
+  const Vec<scalar_t, 8> in = *reinterpret_cast<const Vec<scalar_t, 8>*>(p);
+#pragma unroll
+  for (int j = 0; j < 8; ++j) v[j] = static_cast<float>(in.v[j]);
+}
+
+// Loads w[:, d0 : d0 + kChunk] into tile[EP][kChunk], zeros past E and D.
+template <int EP>
+__device__ inline void load_tile(const float* __restrict__ w, int E, int64_t D, int64_t d0, float* tile) {
+  for (int i = threadIdx.x; i < EP * kChunk; i += blockDim.x) {
+    const int e = i / kChunk;
+    const int64_t d = d0 + i % kChunk;
+    tile[i] = (e < E && d < D) ? w[e * D + d] : 0.f;
+  }
+}
+
+template <typename scalar_t, int EP, int TPW>
+__global__ void __launch_bounds__(kWarps * 32) router_forward_kernel(const scalar_t* __restrict__ x,
+                                                                     const float* __restrict__ w, int64_t T, int E,
+                                                                     int64_t D, float* __restrict__ logits) {
+  extern __shared__ float tile[];  // [EP, kChunk]
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int64_t t0 = (static_cast<int64_t>(blockIdx.x) * kWarps + warp) * TPW;
+  float acc[TPW][EP];
+#pragma unroll
+  for (int i = 0; i < TPW; ++i)
+#pragma unroll
+    for (int e = 0; e < EP; ++e) acc[i][e] = 0.f;
+  for (int64_t d0 = 0; d0 < D; d0 += kChunk) {
+    __syncthreads();
+    load_tile<EP>(w, E, D, d0, tile);
+    __syncthreads();
+    const int64_t d = d0 + lane * 8;
+    if (d >= D) continue;
+    float xv[TPW][8];
+#pragma unroll
+    for (int i = 0; i < TPW; ++i) {
+      if (t0 + i < T) {
+        load8(x + (t0 + i) * D + d, xv[i]);
+      } else {
+#pragma unroll
+        for (int j = 0; j < 8; ++j) xv[i][j] = 0.f;
+      }
+    }
+#pragma unroll
+    for (int e = 0; e < EP; ++e) {
+      const float4 lo = *reinterpret_cast<const float4*>(tile + e * kChunk + lane * 8);
+      const float4 hi = *reinterpret_cast<const float4*>(tile + e * kChunk + lane * 8 + 4);
+      const float wv[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
+#pragma unroll
+      for (int i = 0; i < TPW; ++i)
+#pragma unroll
+        for (int j = 0; j < 8; ++j) acc[i][e] = fmaf(xv[i][j], wv[j], acc[i][e]);
+    }
+  }
+#pragma unroll
+  for (int i = 0; i < TPW; ++i) {
+#pragma unroll
+    for (int e = 0; e < EP; ++e) {
+      float v = acc[i][e];
+#pragma unroll
+      for (int offset = 16; offset > 0; offset /= 2) v += __shfl_xor_sync(kAllLanes, v, offset);
+      if (lane == e % 32 && e < E && t0 + i < T) logits[(t0 + i) * E + e] = v;
+    }
+  }
+}
+
+template <typename scalar_t, int EP, int TPW>
+__global__ void __launch_bounds__(kWarps * 32) router_grad_x_kernel(const float* __restrict__ grad,
+                                                                    const float* __restrict__ w, int64_t T, int E,
+                                                                    int64_t D, scalar_t* __restrict__ grad_x) {
+  extern __shared__ float tile[];  // [EP, kChunk]
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int64_t t0 = (static_cast<int64_t>(blockIdx.x) * kWarps + warp) * TPW;
+  float g[TPW][EP];
+#pragma unroll
+  for (int i = 0; i < TPW; ++i)
+#pragma unroll
+    for (int e = 0; e < EP; ++e) g[i][e] = (t0 + i < T && e < E) ? grad[(t0 + i) * E + e] : 0.f;
+  for (int64_t d0 = 0; d0 < D; d0 += kChunk) {
+    __syncthreads();
+    load_tile<EP>(w, E, D, d0, tile);
+    __syncthreads();
+    const int64_t d = d0 + lane * 8;
+    if (d >= D) continue;
+    float out[TPW][8];
+#pragma unroll
+    for (int i = 0; i < TPW; ++i)
+#pragma unroll
+      for (int j = 0; j < 8; ++j) out[i][j] = 0.f;
+#pragma unroll
+    for (int e = 0; e < EP; ++e) {
+      const float4 lo = *reinterpret_cast<const float4*>(tile + e * kChunk + lane * 8);
+      const float4 hi = *reinterpret_cast<const float4*>(tile + e * kChunk + lane * 8 + 4);
+      const float wv[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
+#pragma unroll
+      for (int i = 0; i < TPW; ++i)
+#pragma unroll
+        for (int j = 0; j < 8; ++j) out[i][j] = fmaf(g[i][e], wv[j], out[i][j]);
+    }
+#pragma unroll
+    for (int i = 0; i < TPW; ++i) {
+      if (t0 + i >= T) continue;
+      Vec<scalar_t, 8> v;
+#pragma unroll
+      for (int j = 0; j < 8; ++j) v.v[j] = static_cast<scalar_t>(out[i][j]);
+      *reinterpret_cast<Vec<scalar_t, 8>*>(grad_x + (t0 + i) * D + d) = v;
+    }
+  }
+}
+
+// grid (column vectors / 256 threads, expert groups of 8, token chunks): partial[chunk, e, d].
+template <typename scalar_t>
+__global__ void router_grad_w_kernel(const float* __restrict__ grad, const scalar_t* __restrict__ x, int64_t T,
+                                     int E, int64_t D, float* __restrict__ partial) {
+  const int64_t vec = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const int64_t d = vec * 8;
+  if (d >= D) return;
+  const int e0 = blockIdx.y * 8;
+  const int64_t chunk = blockIdx.z;
+  const int64_t t_end = (chunk + 1) * kTokensPerChunk < T ? (chunk + 1) * kTokensPerChunk : T;
+  float acc[8][8];
+#pragma unroll
+  for (int e = 0; e < 8; ++e)
+#pragma unroll
+    for (int j = 0; j < 8; ++j) acc[e][j] = 0.f;
+  for (int64_t t = chunk * kTokensPerChunk; t < t_end; ++t) {
+    float xv[8];
+    load8(x + t * D + d, xv);
+#pragma unroll
+    for (int e = 0; e < 8; ++e) {
+      const float ge = e0 + e < E ? grad[t * E + e0 + e] : 0.f;
+#pragma unroll
+      for (int j = 0; j < 8; ++j) acc[e][j] = fmaf(ge, xv[j], acc[e][j]);
+    }
+  }
+#pragma unroll
+  for (int e = 0; e < 8; ++e) {
+    if (e0 + e >= E) break;
+    float* out = partial + (chunk * E + e0 + e) * D + d;
+    *reinterpret_cast<float4*>(out) = make_float4(acc[e][0], acc[e][1], acc[e][2], acc[e][3]);
+    *reinterpret_cast<float4*>(out + 4) = make_float4(acc[e][4], acc[e][5], acc[e][6], acc[e][7]);
+  }
+}
+
+// A tile of EP x kChunk floats is 64 KiB for 64 experts: past the 48 KiB a kernel gets by default.
+template <typename Kernel>
+size_t tile_bytes(Kernel kernel, int ep) {
+  const size_t bytes = static_cast<size_t>(ep) * kChunk * sizeof(float);
+  if (bytes > 48 * 1024) {
+    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)));
+  }
+  return bytes;
+}
+
+void check_router(const at::Tensor& x, const at::Tensor& w, const char* what) {
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), what, ": x must be [T, D] and w [E, D], got ",
+              x.sizes(), " and ", w.sizes());
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf, what,
+              ": x must be bfloat16 or float16, got ", x.scalar_type());
+  TORCH_CHECK(w.scalar_type() == at::kFloat, what, ": w must be float32, got ", w.scalar_type());
+  TORCH_CHECK(w.size(0) >= 1 && w.size(0) <= 64, what, ": at most 64 experts, got ", w.size(0));
+  TORCH_CHECK(x.size(1) % 8 == 0, what, ": D must be a multiple of 8, got ", x.size(1));
+  TORCH_CHECK(x.device() == w.device(), what, ": x and w must be on one device, got ", x.device(), " and ", w.device());
+}
+
+// The kernels read and write x's rows as 16-byte vectors.
+at::Tensor aligned_contiguous(const at::Tensor& x) {
+  auto out = x.contiguous();
+  return reinterpret_cast<uintptr_t>(out.data_ptr()) % 16 == 0 ? out : out.clone();
+}
+
+// Calls fn(EP, TPW) with EP = E rounded up to 8/16/32/64 and TPW tokens per warp (64 accumulators a lane).
+template <typename Fn>
+void with_experts(int64_t E, const Fn& fn) {
+  if (E <= 8) {
+    fn(std::integral_constant<int, 8>{}, std::integral_constant<int, 8>{});
+  } else if (E <= 16) {
+    fn(std::integral_constant<int, 16>{}, std::integral_constant<int, 4>{});
+  } else if (E <= 32) {
+    fn(std::integral_constant<int, 32>{}, std::integral_constant<int, 2>{});
+  } else {
+    fn(std::integral_constant<int, 64>{}, std::integral_constant<int, 1>{});
+  }
+}
+
+at::Tensor router_logits_cuda(const at::Tensor& x_in, const at::Tensor& w_in) {
+  check_router(x_in, w_in, "router_logits");
+  const c10::cuda::CUDAGuard guard(x_in.device());
+  const auto x = aligned_contiguous(x_in);
+  const auto w = w_in.contiguous();
+  const int64_t T = x.size(0), D = x.size(1), E = w.size(0);
+  auto logits = at::empty({T, E}, x.options().dtype(at::kFloat));
+  if (T == 0) return logits;
+  AT_DISPATCH_REDUCED_FLOATING_TYPES(x.scalar_type(), "moetrain_router_logits", [&] {
+    with_experts(E, [&](auto ep, auto tpw) {
+      constexpr int EP = decltype(ep)::value, TPW = decltype(tpw)::value;
+      const int64_t blocks = (T + kWarps * TPW - 1) / (kWarps * TPW);
+      auto kernel = router_forward_kernel<scalar_t, EP, TPW>;
+      kernel<<<static_cast<unsigned>(blocks), kWarps * 32, tile_bytes(kernel, EP), c10::cuda::getCurrentCUDAStream()>>>(
+          x.data_ptr<scalar_t>(), w.data_ptr<float>(), T, static_cast<int>(E), D, logits.data_ptr<float>());
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    });
+  });
+  return logits;
+}
+
+std::tuple<at::Tensor, at::Tensor> router_logits_backward_cuda(const at::Tensor& grad_in, const at::Tensor& x_in,
+                                                               const at::Tensor& w_in, bool x_grad, bool w_grad) {
+  check_router(x_in, w_in, "router_logits_backward");
+  const c10::cuda::CUDAGuard guard(x_in.device());
+  const auto x = aligned_contiguous(x_in);
+  const auto w = w_in.contiguous();
+  const auto grad = grad_in.to(at::kFloat).contiguous();
+  const int64_t T = x.size(0), D = x.size(1), E = w.size(0);
+  TORCH_CHECK(grad.dim() == 2 && grad.size(0) == T && grad.size(1) == E, "router_logits_backward: grad must be [",
+              T, ", ", E, "], got ", grad.sizes());
+  // Gradients not asked for come back as empty tensors.
+  at::Tensor grad_x = at::empty({0}, x.options()), grad_w = at::empty({0}, w.options());
+  const auto stream = c10::cuda::getCurrentCUDAStream();
+  AT_DISPATCH_REDUCED_FLOATING_TYPES(x.scalar_type(), "moetrain_router_logits_backward", [&] {
+    if (x_grad) {
+      grad_x = at::empty_like(x);
+      if (T > 0) {
+        with_experts(E, [&](auto ep, auto tpw) {
+          constexpr int EP = decltype(ep)::value, TPW = decltype(tpw)::value;
+          const int64_t blocks = (T + kWarps * TPW - 1) / (kWarps * TPW);
+          auto kernel = router_grad_x_kernel<scalar_t, EP, TPW>;
+          kernel<<<static_cast<unsigned>(blocks), kWarps * 32, tile_bytes(kernel, EP), stream>>>(
+              grad.data_ptr<float>(), w.data_ptr<float>(), T, static_cast<int>(E), D, grad_x.data_ptr<scalar_t>());
+          C10_CUDA_KERNEL_LAUNCH_CHECK();
+        });
+      }
+    }
+    if (w_grad) {
+      const int64_t chunks = std::max<int64_t>(1, (T + kTokensPerChunk - 1) / kTokensPerChunk);
+      auto partial = at::zeros({chunks, E, D}, w.options());
+      if (T > 0) {
+        const int64_t vectors = D / 8;
+        constexpr int kThreads = 128;
+        const dim3 grid(static_cast<unsigned>((vectors + kThreads - 1) / kThreads), static_cast<unsigned>((E + 7) / 8),
+                        static_cast<unsigned>(chunks));
+        router_grad_w_kernel<scalar_t><<<grid, kThreads, 0, stream>>>(grad.data_ptr<float>(), x.data_ptr<scalar_t>(), T,
+                                                                      static_cast<int>(E), D, partial.data_ptr<float>());
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+      }
+      grad_w = partial.sum(0);
+    }
+  });
+  return {grad_x, grad_w};
+}
+
+}  // namespace
+}  // namespace moetrain
+
+TORCH_LIBRARY_IMPL(moetrain, CUDA, m) {
+  m.impl("router_logits", &moetrain::router_logits_cuda);
+  m.impl("router_logits_backward", &moetrain::router_logits_backward_cuda);
+}
