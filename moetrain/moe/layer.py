@@ -36,7 +36,15 @@ class RoutingStats:
     kept_per_expert: torch.Tensor  # int64 [E] choices that got a slot
     padded_capacity: int | None  # rows per expert block in the padded layout, None when packed
     balance_loss: torch.Tensor
-    z_loss: torch.Tensor
+    router_logits: torch.Tensor  # [T, E] fp32, detached
+    z_loss_value: torch.Tensor | None = None  # computed by the forward call when its weight is not 0
+
+    @property
+    def z_loss(self) -> torch.Tensor:
+        """The router z-loss of the call (computed on first read when the layer did not need it)."""
+        if self.z_loss_value is None:
+            self.z_loss_value = losses.z_loss(self.router_logits)
+        return self.z_loss_value
 
     @property
     def capacity(self) -> int:
@@ -138,15 +146,20 @@ class MoELayer(nn.Module):
         if self.shared is not None:
             y_TD = y_TD + self.shared(x_TD).to(y_TD.dtype)
 
-        balance = losses.balance_loss(routed.probs_TE, routed.topk_idx_TK)
-        z = losses.z_loss(routed.logits_TE)
-        self.aux_loss = self.balance_loss_weight * balance + self.z_loss_weight * z
+        # The plan already counts the choices per expert (before dropping): the balance loss's f_e.
+        balance = losses.balance_loss(routed.probs_TE, plan.load_E, routed.topk_idx_TK.numel())
+        self.aux_loss = self.balance_loss_weight * balance
+        z = None
+        if self.z_loss_weight:  # otherwise computed only if someone reads stats.z_loss
+            z = losses.z_loss(routed.logits_TE)
+            self.aux_loss = self.aux_loss + self.z_loss_weight * z
         self.stats = RoutingStats(
             tokens_per_expert=plan.load_E.detach(),
             kept_per_expert=plan.counts_E.detach(),
             padded_capacity=plan.capacity,
             balance_loss=balance.detach(),
-            z_loss=z.detach(),
+            router_logits=routed.logits_TE.detach(),
+            z_loss_value=None if z is None else z.detach(),
         )
         return y_TD.view(x.shape[:-1] + (y_TD.size(-1),))
 

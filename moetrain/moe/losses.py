@@ -21,11 +21,11 @@ def choice_counts(topk_idx_TK: torch.Tensor, num_experts: int, dtype: torch.dtyp
     )
 
 
-def balance_loss(probs_TE: torch.Tensor, topk_idx_TK: torch.Tensor) -> torch.Tensor:
+def balance_loss(probs_TE: torch.Tensor, counts_E: torch.Tensor, num_choices: int) -> torch.Tensor:
+    """counts_E: routing choices per expert (choice_counts, or a routing plan's load), of num_choices."""
     num_experts = probs_TE.size(-1)
-    counts_E = choice_counts(topk_idx_TK, num_experts, probs_TE.dtype)
-    fraction_E = counts_E / topk_idx_TK.numel()
-    return num_experts * torch.sum(fraction_E * probs_TE.mean(0))
+    fraction_E = counts_E.to(probs_TE.dtype) / num_choices
+    return num_experts * torch.dot(fraction_E, probs_TE.mean(0))
 
 
 def z_loss(logits_TE: torch.Tensor) -> torch.Tensor:
