@@ -6,8 +6,12 @@ one run, the useful expert TFLOP/s of
   moetrain dropless  MoELayer, capacity factor 0 (packed layout, grouped GEMMs)
   naive              a loop over experts: gather, two matmuls, weighted index_add
   grouped_mm         torch's recipe: sort by expert, torch._grouped_mm twice, scatter back
+  gemms alone        only the layer's six expert GEMMs (two forward, four backward) as batched
+                     matmuls on its capacity blocks: a bound no MoE layer of that shape passes
   dense              one 8192^3 GEMM in the same dtype: the ceiling
 with each figure's fraction of the ceiling and moetrain's ratio to the grouped_mm baseline.
+The ceiling is a short burst; a layer's GEMMs run for seconds, and a large one (mixtral) draws
+enough power for the card to lower its clocks, so "gemms alone" is the bound that shape can reach.
 Useful expert FLOPs = tokens * D * H * k * 2 matmuls * 2 flop/mac * 3 (forward + backward), the
 same count for every column. Step time: median of CUDA-event timings after warm-up.
 
@@ -171,6 +175,22 @@ def _forward_backward(fn: Callable[[torch.Tensor], torch.Tensor], x_TD: torch.Te
     return step
 
 
+def gemms_alone(layer: MoELayer, shape: Shape, x_TD: torch.Tensor) -> Callable[[], None]:
+    """One step of only the expert GEMMs, forward and backward, on [E, C, D] blocks (C = T*K/E)
+    of the input's values, with the layer's weights: no routing, bias, activation or copies."""
+    experts = layer.experts
+    capacity = shape.tokens * shape.top_k // shape.num_experts
+    x_ECD = x_TD.detach().repeat(shape.top_k, 1)[: capacity * shape.num_experts].view(shape.num_experts, capacity, -1)
+    x_ECD.requires_grad_()
+    w1, w2 = experts.w1, experts.w2
+
+    def step():
+        y_ECD = torch.bmm(torch.bmm(x_ECD, w1), w2)
+        torch.autograd.grad(y_ECD, [x_ECD, w1, w2], y_ECD.detach())
+
+    return step
+
+
 def dense_ceiling(device: torch.device, dtype: torch.dtype, size: int = 8192, warmup: int = 3, steps: int = 20) -> float:
     """TFLOP/s of one size^3 GEMM on random data."""
     a = torch.randn(size, size, device=device, dtype=dtype)
@@ -236,6 +256,9 @@ def bench_shape(shape: Shape, device: torch.device, dtype: torch.dtype, capacity
         fn_params = list(fn.parameters()) if name in ("moetrain_torch", "grouped_mm") else params
         ms = _time_steps(_forward_backward(fn, x_TD, fn_params), device, warmup, steps)
         result[name] = {"ms": ms, "tflops": shape.useful_flops() / (ms * 1e-3) / 1e12}
+    if device.type == "cuda":
+        ms = _time_steps(gemms_alone(layer, shape, x_TD), device, warmup, steps)
+        result["gemms_alone"] = {"ms": ms, "tflops": shape.useful_flops() / (ms * 1e-3) / 1e12}
     with torch.no_grad():
         layer(x_TD)  # the last call decides layer.stats: make it the moetrain column's
     result["dropped_fraction"] = layer.stats.dropped_fraction
@@ -248,8 +271,8 @@ def bench_shape(shape: Shape, device: torch.device, dtype: torch.dtype, capacity
 
 
 def gpu_table(results: list[dict], ceiling: float) -> str:
-    head = (f"{'shape':<12} {'moetrain':>9} {'dropless':>9} {'naive':>7} {'grouped':>8}   {'of ceiling':>10} "
-            f"{'target':>6}   {'vs grouped':>10} {'target':>6}")
+    head = (f"{'shape':<12} {'moetrain':>9} {'dropless':>9} {'naive':>7} {'grouped':>8} {'gemms':>6}   "
+            f"{'of ceiling':>10} {'target':>6} {'gemms':>6}   {'vs grouped':>10} {'target':>6}")
     lines = [head, "-" * len(head)]
     for r in results:
         name = r["shape"]["name"]
@@ -258,12 +281,14 @@ def gpu_table(results: list[dict], ceiling: float) -> str:
         grouped_tflops = r["grouped_mm"]["tflops"] if "grouped_mm" in r else float("nan")
         ratio = r["moetrain"]["tflops"] / grouped_tflops
         target_fraction, target_ratio = TARGETS.get(name, (float("nan"), float("nan")))
+        gemms = r.get("gemms_alone", {}).get("tflops", float("nan"))
         lines.append(
             f"{name:<12} {r['moetrain']['tflops']:9.0f} {r['moetrain_dropless']['tflops']:9.0f} "
-            f"{r['naive']['tflops']:7.0f} {grouped_tflops:8.0f}   {fraction:10.0%} {target_fraction:6.0%}   "
-            f"{ratio:9.2f}x {target_ratio:5.2f}x"
+            f"{r['naive']['tflops']:7.0f} {grouped_tflops:8.0f} {gemms:6.0f}   {fraction:10.0%} {target_fraction:6.0%} "
+            f"{gemms / ceiling:6.0%}   {ratio:9.2f}x {target_ratio:5.2f}x"
         )
-    lines.append(f"useful expert TFLOP/s, forward + backward; dense GEMM ceiling {ceiling:.0f} TFLOP/s")
+    lines.append(f"useful expert TFLOP/s, forward + backward; dense GEMM ceiling {ceiling:.0f} TFLOP/s; "
+                 "gemms = the expert GEMMs alone (the bound)")
     return "\n".join(lines)
 
 
