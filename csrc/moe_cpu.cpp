@@ -11,13 +11,9 @@
 #include <algorithm>
 #include <vector>
 
-namespace {
+#include "checks.h"
 
-void check_plan(const at::Tensor& dest, int64_t tokens, const char* what) {
-  TORCH_CHECK(dest.scalar_type() == at::kLong, what, ": dest must be int64, got ", dest.scalar_type());
-  TORCH_CHECK(dest.dim() == 2 && dest.size(0) == tokens, what, ": dest must be [tokens, k] with tokens=",
-              tokens, ", got ", dest.sizes());
-}
+namespace {
 
 // Rows per parallel chunk: about at::internal::GRAIN_SIZE elements, as ATen's own loops use, so a
 // small call runs on one thread instead of paying for a parallel region (costly on a busy machine).
@@ -42,10 +38,7 @@ std::vector<int64_t> row_sources(const at::Tensor& dest, int64_t num_rows) {
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> route_cpu(const at::Tensor& expert_idx, int64_t num_experts,
                                                          int64_t capacity, bool packed) {
-  TORCH_CHECK(expert_idx.scalar_type() == at::kLong && expert_idx.dim() == 1,
-              "route: expert_idx must be a 1-D int64 tensor");
-  TORCH_CHECK(num_experts > 0, "route: num_experts must be positive");
-  TORCH_CHECK(packed || capacity >= 0, "route: the padded layout needs a capacity >= 0");
+  moetrain::check_route(expert_idx, num_experts, capacity, packed);
   auto idx = expert_idx.contiguous();
   const int64_t n = idx.numel();
   auto dest = at::empty({n}, idx.options());
@@ -78,7 +71,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> route_cpu(const at::Tensor& exper
 
 at::Tensor dispatch_cpu(const at::Tensor& x_in, const at::Tensor& dest_in, int64_t num_rows) {
   TORCH_CHECK(x_in.dim() == 2, "dispatch: x must be [tokens, dim], got ", x_in.sizes());
-  check_plan(dest_in, x_in.size(0), "dispatch");
+  moetrain::check_plan(dest_in, x_in.size(0), "dispatch");
   auto x = x_in.contiguous();
   auto dest = dest_in.contiguous();
   const int64_t k = dest.size(1), dim = x.size(1);
@@ -146,7 +139,7 @@ at::Tensor combine_cpu(const at::Tensor& buf_in, const at::Tensor& dest_in, cons
 std::tuple<at::Tensor, at::Tensor> combine_backward_cpu(const at::Tensor& grad_y_in, const at::Tensor& buf_in,
                                                         const at::Tensor& dest_in, const at::Tensor& weight_in,
                                                         int64_t num_rows, bool weight_grad) {
-  check_plan(dest_in, grad_y_in.size(0), "combine_backward");
+  moetrain::check_plan(dest_in, grad_y_in.size(0), "combine_backward");
   auto grad_y = grad_y_in.contiguous();
   auto dest = dest_in.contiguous();
   auto weight = weight_in.contiguous();
@@ -204,16 +197,8 @@ std::tuple<at::Tensor, at::Tensor> combine_backward_cpu(const at::Tensor& grad_y
 // epilogue), one pass over y instead of a broadcasting add and an activation pass.
 
 at::Tensor& bias_act_cpu(at::Tensor& y, const at::Tensor& bias, int64_t rows_per_expert, bool relu) {
-  // y may be [rows, dim] or [experts, rows_per_expert, dim]: only its last dim and size matter.
-  TORCH_CHECK(y.dim() >= 1 && y.is_contiguous(), "bias_act_: y must be contiguous, got strides ", y.strides());
+  const int64_t rows = moetrain::check_bias_act(y, bias, rows_per_expert);
   const int64_t dim = y.size(-1);
-  TORCH_CHECK(bias.dim() == 2 && bias.size(1) == dim, "bias_act_: bias must be [experts, ", dim, "], got ",
-              bias.sizes());
-  const int64_t rows = dim == 0 ? 0 : y.numel() / dim;
-  TORCH_CHECK(rows_per_expert > 0 && rows == bias.size(0) * rows_per_expert, "bias_act_: y has ", rows,
-              " rows; expected experts * rows_per_expert = ", bias.size(0), " * ", rows_per_expert);
-  TORCH_CHECK(bias.scalar_type() == y.scalar_type(), "bias_act_: bias must have y's dtype ", y.scalar_type(),
-              ", got ", bias.scalar_type());
   const auto b = bias.contiguous();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, y.scalar_type(), "moetrain_bias_act_cpu", [&] {
     using acc_t = at::opmath_type<scalar_t>;

@@ -16,6 +16,7 @@
 #include <algorithm>
 #include <type_traits>
 
+#include "../checks.h"
 #include "rows.cuh"
 
 namespace moetrain {
@@ -47,20 +48,11 @@ __global__ void bias_act_kernel(scalar_t* __restrict__ y, const scalar_t* __rest
 }
 
 at::Tensor& bias_act_cuda(at::Tensor& y, const at::Tensor& bias, int64_t rows_per_expert, bool relu) {
-  // y may be [rows, dim] or [experts, rows_per_expert, dim]: only its last dim and size matter.
-  TORCH_CHECK(y.dim() >= 1 && y.is_contiguous(), "bias_act_: y must be contiguous, got strides ", y.strides());
-  const int64_t dim = y.size(-1);
-  TORCH_CHECK(bias.dim() == 2 && bias.size(1) == dim, "bias_act_: bias must be [experts, ", dim, "], got ",
-              bias.sizes());
-  const int64_t rows = dim == 0 ? 0 : y.numel() / dim;
-  TORCH_CHECK(rows_per_expert > 0 && rows == bias.size(0) * rows_per_expert, "bias_act_: y has ", rows,
-              " rows; expected experts * rows_per_expert = ", bias.size(0), " * ", rows_per_expert);
-  TORCH_CHECK(bias.scalar_type() == y.scalar_type(), "bias_act_: bias must have y's dtype ", y.scalar_type(),
-              ", got ", bias.scalar_type());
-  TORCH_CHECK(bias.device() == y.device(), "bias_act_: bias must be on ", y.device(), ", got ", bias.device());
+  check_bias_act(y, bias, rows_per_expert);
   if (y.numel() == 0) return y;
   const c10::cuda::CUDAGuard guard(y.device());
   const auto b = bias.contiguous();
+  const int64_t dim = y.size(-1);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, y.scalar_type(), "moetrain_bias_act_cuda", [&] {
     const int width = vector_width(dim, sizeof(scalar_t), {y.data_ptr(), b.data_ptr()});
     auto launch = [&](auto vec, auto with_relu) {

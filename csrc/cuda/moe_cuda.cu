@@ -22,6 +22,7 @@
 #include <limits>
 #include <type_traits>
 
+#include "../checks.h"
 #include "rows.cuh"
 
 namespace moetrain {
@@ -44,12 +45,6 @@ void with_vector_width(int width, const Fn& fn) {
 void check_same_device(const at::Tensor& tensor, const at::Tensor& reference, const char* what, const char* name) {
   TORCH_CHECK(tensor.device() == reference.device(), what, ": ", name, " must be on ", reference.device(), ", got ",
               tensor.device());
-}
-
-void check_cuda_plan(const at::Tensor& dest, int64_t tokens, const char* what) {
-  TORCH_CHECK(dest.scalar_type() == at::kLong, what, ": dest must be int64, got ", dest.scalar_type());
-  TORCH_CHECK(dest.dim() == 2 && dest.size(0) == tokens, what, ": dest must be [tokens, k] with tokens=", tokens,
-              ", got ", dest.sizes());
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -135,10 +130,7 @@ __global__ void route_place_kernel(const int64_t* __restrict__ expert_idx, int64
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> route_cuda(const at::Tensor& expert_idx, int64_t num_experts,
                                                           int64_t capacity, bool packed) {
-  TORCH_CHECK(expert_idx.scalar_type() == at::kLong && expert_idx.dim() == 1,
-              "route: expert_idx must be a 1-D int64 tensor");
-  TORCH_CHECK(num_experts > 0, "route: num_experts must be positive");
-  TORCH_CHECK(packed || capacity >= 0, "route: the padded layout needs a capacity >= 0");
+  check_route(expert_idx, num_experts, capacity, packed);
   const c10::cuda::CUDAGuard guard(expert_idx.device());
   auto idx = expert_idx.contiguous();
   const int64_t n = idx.numel();
@@ -223,7 +215,7 @@ __global__ void dispatch_kernel(const scalar_t* __restrict__ x, const int64_t* _
 
 at::Tensor dispatch_cuda(const at::Tensor& x_in, const at::Tensor& dest_in, int64_t num_rows) {
   TORCH_CHECK(x_in.dim() == 2, "dispatch: x must be [tokens, dim], got ", x_in.sizes());
-  check_cuda_plan(dest_in, x_in.size(0), "dispatch");
+  check_plan(dest_in, x_in.size(0), "dispatch");
   check_same_device(dest_in, x_in, "dispatch", "dest");
   TORCH_CHECK(num_rows >= 0, "dispatch: num_rows must be >= 0, got ", num_rows);
   const c10::cuda::CUDAGuard guard(x_in.device());
@@ -378,7 +370,7 @@ std::tuple<at::Tensor, at::Tensor> combine_backward_cuda(const at::Tensor& grad_
                                                          const at::Tensor& dest_in, const at::Tensor& weight_in,
                                                          int64_t num_rows, bool weight_grad) {
   TORCH_CHECK(grad_y_in.dim() == 2, "combine_backward: grad_y must be [tokens, dim], got ", grad_y_in.sizes());
-  check_cuda_plan(dest_in, grad_y_in.size(0), "combine_backward");
+  check_plan(dest_in, grad_y_in.size(0), "combine_backward");
   check_same_device(dest_in, grad_y_in, "combine_backward", "dest");
   check_same_device(weight_in, grad_y_in, "combine_backward", "weight");
   TORCH_CHECK(num_rows >= 0, "combine_backward: num_rows must be >= 0, got ", num_rows);
