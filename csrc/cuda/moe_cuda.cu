@@ -203,10 +203,7 @@ __global__ void dispatch_kernel(const scalar_t* __restrict__ x, const int64_t* _
   const int64_t entry = source[row];
   V* out = reinterpret_cast<V*>(buf) + row * vectors;
   if (entry < 0) {
-    V zero;
-#pragma unroll
-    for (int j = 0; j < VEC; ++j) zero.v[j] = scalar_t(0);
-    for (int64_t c = threadIdx.x; c < vectors; c += blockDim.x) out[c] = zero;
+    zero_row(out, vectors);
     return;
   }
   const V* in = reinterpret_cast<const V*>(x) + (entry / k) * vectors;
@@ -326,10 +323,7 @@ __global__ void combine_backward_kernel(const scalar_t* __restrict__ grad_y, con
   if (row < rows) {
     V* out = reinterpret_cast<V*>(grad_buf) + row * vectors;
     if (entry < 0) {
-      V zero;
-#pragma unroll
-      for (int j = 0; j < VEC; ++j) zero.v[j] = scalar_t(0);
-      for (int64_t c = threadIdx.x; c < vectors; c += blockDim.x) out[c] = zero;
+      zero_row(out, vectors);
     } else {
       const acc_t scale = weight[entry];
       const V* g = reinterpret_cast<const V*>(grad_y) + (entry / k) * vectors;

@@ -16,6 +16,15 @@ struct alignas(sizeof(T) * VEC) Vec {
   T v[VEC];
 };
 
+// Zeros into one row of `vectors` vectors, the row's threads (threadIdx.x) striding along it.
+template <typename T, int VEC>
+__device__ inline void zero_row(Vec<T, VEC>* row, int64_t vectors) {
+  Vec<T, VEC> zero;
+#pragma unroll
+  for (int j = 0; j < VEC; ++j) zero.v[j] = T(0);
+  for (int64_t c = threadIdx.x; c < vectors; c += blockDim.x) row[c] = zero;
+}
+
 // The widest vector that divides the row and that every pointer is aligned to; 1 otherwise.
 inline int vector_width(int64_t dim, int64_t element_size, std::initializer_list<const void*> pointers) {
   const int64_t width = 16 / element_size;
