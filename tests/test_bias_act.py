@@ -63,7 +63,8 @@ def test_ffn_experts_fused_epilogue_equals_the_torch_path(device, activation):
     plain.load_state_dict(kernel.state_dict())
     x = torch.randn(50, 32, device=device, requires_grad=True)
     y_kernel, y_plain = kernel(x), plain(x)
-    assert torch.equal(y_kernel, y_plain)
+    # The epilogue is bit-exact (tested above); the layers' combine sums round differently on a GPU.
+    torch.testing.assert_close(y_kernel, y_plain, rtol=1e-6, atol=1e-6)
     grad = torch.randn_like(y_plain)
     got = torch.autograd.grad(y_kernel, [x, *kernel.parameters()], grad)
     want = torch.autograd.grad(y_plain, [x, *plain.parameters()], grad)
