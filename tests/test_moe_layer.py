@@ -252,3 +252,19 @@ def test_bad_input_names_the_argument(kwargs, call, match):
             layer(call)
         elif call == "top_k":
             layer(torch.randn(3, 8), top_k=0)
+
+
+def test_router_stays_fp32_under_autocast():
+    """Under bf16 autocast (the trainer's mixed precision) the router logits are still the fp32
+    product of the input and the router weight, not a bf16 matmul's."""
+    torch.manual_seed(0)
+    layer = MoELayer(model_dim=64, num_experts=8, hidden_size=32, top_k=2, impl="torch")
+    x = torch.randn(40, 64)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        layer(x)
+    logits = layer.stats.router_logits
+    want = x @ layer.gate.weight_ED.t()
+    assert logits.dtype == torch.float32
+    torch.testing.assert_close(logits, want, rtol=1e-6, atol=1e-6)
+    bf16 = (x.bfloat16() @ layer.gate.weight_ED.bfloat16().t()).float()
+    assert (bf16 - want).abs().max() > 1e-3  # so the check above can tell the two apart

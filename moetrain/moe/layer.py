@@ -138,7 +138,10 @@ class MoELayer(nn.Module):
         cf = self.capacity_factor if capacity_factor is None else self._check_capacity_factor(capacity_factor)
         x_TD = x.reshape(-1, self.model_dim)
 
-        routed = self.gate(x_TD, top_k)
+        # Routers compute in fp32 (Switch Transformer's selective precision), under autocast too:
+        # a bf16 router matmul would flip near-tied choices.
+        with torch.autocast(x_TD.device.type, enabled=False):
+            routed = self.gate(x_TD, top_k)
         plan = make_plan(routed.topk_idx_TK, routed.topk_weight_TK, self.num_experts, cf, self.batch_prioritized, self.impl)
         buf_RD = ops.dispatch(x_TD, plan.dest_TK, plan.num_rows, impl=self.impl)
         out_RD = self.run_experts(buf_RD, plan, adaptive_r, a2a_ffn_overlap_degree)
