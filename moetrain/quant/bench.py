@@ -22,12 +22,13 @@ import statistics
 import time
 
 import torch
+import torch.nn.functional as F
 
 from moetrain import MoELayer, ops
 from moetrain.moe.routing import make_plan
 from moetrain.quant.experts import QuantizedExperts
 from moetrain.quant.export import expert_memory
-from moetrain.quant.formats import get_format
+from moetrain.quant.formats import get_format, quantize_fp8_groups
 from moetrain.quant import kernels
 from moetrain.quant.experts import QuantizedWeight
 from moetrain.quant.matmul import ExpertInput, ExpertRows, cuda_matmul, cuda_path, emulated_matmul
@@ -175,7 +176,7 @@ def kernel_timings(args, device: torch.device) -> None:
     del w_EKN
     print(f"kernel timings: [{hidden}, {model_dim}] weight of {experts} experts, ms (median of {args.iters}); "
           "weight GB/s = stored weight bytes / time, TFLOP/s = 2 R N K / time; * = the path taken")
-    for rows_per_expert in (1, 4, 16, 64, 128, 512, 2048):
+    for rows_per_expert in KERNEL_ROWS_PER_EXPERT:
         num_rows = rows_per_expert * experts
         counts_G = torch.full((experts,), rows_per_expert, dtype=torch.int32, device=device)
         rows = ExpertRows(torch.cumsum(counts_G, 0, dtype=torch.int32) - counts_G, counts_G, rows_per_expert, True)
@@ -202,9 +203,10 @@ def kernel_timings(args, device: torch.device) -> None:
         x = torch.randn(rows, width, device=device, dtype=torch.bfloat16)
         up = torch.randn_like(x) if swiglu else None
         ms = median_ms(lambda: kernels.quantize_fp8(x, group or width, up), args.iters, device)
+        torch_ms = median_ms(lambda: quantize_fp8_groups(F.silu(x) * up if swiglu else x, group or width), args.iters, device)
         moved = x.numel() * (5 if swiglu else 3)  # bf16 in (twice for SwiGLU), FP8 out
         print(f"  quantize_fp8 [{rows}, {width}] group {group or 'row'}{' swiglu' if swiglu else ''}: "
-              f"{ms:.3f} ms, {moved / ms / 1e6:.0f} GB/s", flush=True)
+              f"{ms:.3f} ms, {moved / ms / 1e6:.0f} GB/s (torch ops: {torch_ms:.3f} ms)", flush=True)
     for name in ("mxfp4", "nvfp4"):
         if name in weights:
             stack = weights[name].stacks[name]
@@ -212,6 +214,44 @@ def kernel_timings(args, device: torch.device) -> None:
             moved = experts * hidden * model_dim * 2.5  # half a byte in, two bytes out
             print(f"  dequantize_fp4 {name} [{experts}, {hidden}, {model_dim}]: {ms:.3f} ms, {moved / ms / 1e6:.0f} GB/s",
                   flush=True)
+    tile_sweep(model_dim, hidden, experts, args, device)
+
+
+KERNEL_ROWS_PER_EXPERT = (1, 4, 16, 64, 128, 512, 2048)
+# (rows per expert, formats, tiles (BLOCK_R, BLOCK_N, BLOCK_K, num_warps, num_stages)) to try.
+TILE_SWEEP = (
+    (4, ("fp8", "mxfp4", "nvfp4"), ((16, 32, 128, 4, 4), (16, 64, 128, 4, 4), (16, 64, 256, 4, 3), (16, 128, 128, 4, 3),
+                                    (16, 128, 256, 8, 3), (16, 256, 128, 8, 3))),
+    (512, ("fp8_block",), ((128, 128, 128, 8, 3), (128, 128, 128, 4, 3), (128, 256, 128, 8, 3), (64, 128, 128, 4, 4))),
+)
+
+
+def tile_sweep(model_dim: int, hidden: int, experts: int, args, device: torch.device) -> None:
+    """The Triton GEMM alone (activations already quantized) with other tiles than its defaults,
+    on the gate-shaped [H, D] and the down-shaped [D, H] weight."""
+    for rows_per_expert, names, candidates in TILE_SWEEP:
+        for name in names:
+            for n, k in ((hidden, model_dim), (model_dim, hidden)):
+                weight = QuantizedWeight([name] * experts, n, k, device)
+                weight.quantize(torch.randn(experts, k, n, device=device) * k**-0.5)
+                fmt, q_G = weight.stacks[name].format, weight.stacks[name].stored()
+                counts_G = torch.full((experts,), rows_per_expert, dtype=torch.int32, device=device)
+                starts_G = torch.cumsum(counts_G, 0, dtype=torch.int32) - counts_G
+                x_RK = torch.randn(rows_per_expert * experts, k, device=device, dtype=torch.bfloat16)
+                inputs = ExpertInput(x_RK).fp8(k if name == "fp8" else 128) if "fp8" in name else (x_RK, None)
+                y_RN = x_RK.new_empty(x_RK.size(0), n)
+                timings = []
+                for tiles in (None,) + candidates:
+                    try:
+                        ms = median_ms(lambda: kernels.grouped_gemm(*inputs, fmt, q_G, k, starts_G, counts_G, y_RN, tiles),
+                                       args.iters, device)
+                        timings.append(f"{ms:.3f}")
+                    except Exception as error:  # a tile that does not fit must not hide the others
+                        timings.append(type(error).__name__)
+                labels = ["default " + "x".join(map(str, kernels.default_tiles(fmt, rows_per_expert)))]
+                labels += ["x".join(map(str, tiles)) for tiles in candidates]
+                print(f"  tiles rows/expert {rows_per_expert} {name} [{n}, {k}]: "
+                      + ", ".join(f"{label} {t}" for label, t in zip(labels, timings)), flush=True)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -225,10 +225,11 @@ def quantize_fp8(x_RK: torch.Tensor, group: int, up_RK: torch.Tensor | None = No
     return q_RK.view(torch.float8_e4m3fn), scale_RB
 
 
-def _tiles(fmt: WeightFormat, rows_per_expert: float) -> tuple[int, int, int, int, int]:
+def default_tiles(fmt: WeightFormat, rows_per_expert: float) -> tuple[int, int, int, int, int]:
     """(BLOCK_R, BLOCK_N, BLOCK_K, num_warps, num_stages) for a format and batch size. Few rows per
     expert (decode): thin row tiles, narrow column tiles so that many programs stream the weights;
-    many rows: square tiles for the tensor cores."""
+    many rows: square tiles for the tensor cores. fp8_block needs BLOCK_K = 128 (its scale blocks),
+    the FP4 formats a multiple of their scale block."""
     block_k = FP8_BLOCK if fmt.name in ("fp8", "fp8_block") else 64 if fmt.name == "bf16" else 128
     if rows_per_expert <= 16:
         return 16, 64, block_k, 4, 4
@@ -238,19 +239,21 @@ def _tiles(fmt: WeightFormat, rows_per_expert: float) -> tuple[int, int, int, in
 
 
 def grouped_gemm(x_RK: torch.Tensor, x_scale: torch.Tensor | None, fmt: WeightFormat, q_G: dict[str, torch.Tensor],
-                 k: int, starts_G: torch.Tensor, counts_G: torch.Tensor, y_RN: torch.Tensor) -> None:
+                 k: int, starts_G: torch.Tensor, counts_G: torch.Tensor, y_RN: torch.Tensor,
+                 tiles: tuple[int, int, int, int, int] | None = None) -> None:
     """y[starts_G[g] + i] = x[starts_G[g] + i] @ w_g.T for i < counts_G[g], every g, in place in y_RN.
 
     x_RK: bf16/fp16 activations, or for fp8 and fp8_block their E4M3 values with x_scale the fp32
     scales from quantize_fp8 (per row / per 1x128 group). q_G: the G experts' stored tensors
-    stacked on dim 0. starts_G, counts_G: int32 on the device. Rows no expert owns are not written."""
+    stacked on dim 0. starts_G, counts_G: int32 on the device. Rows no expert owns are not written.
+    tiles: instead of default_tiles (the benchmark's tile sweep)."""
     data = q_G["data"]
     num_experts, n = data.shape[0], data.shape[1]
     rows = x_RK.size(0)
     if rows == 0 or num_experts == 0:
         return
     code = FORMAT_CODES[fmt.name]
-    block_r, block_n, block_k, warps, stages = _tiles(fmt, rows / num_experts)
+    block_r, block_n, block_k, warps, stages = tiles or default_tiles(fmt, rows / num_experts)
     row_tiles = triton.cdiv(rows, block_r) + num_experts  # each expert wastes at most one partial tile
     if code in (1, 2):
         x_RK = x_RK.view(torch.uint8)
