@@ -20,10 +20,12 @@ cat "$out/env.txt"
 
 echo "== tests (tests/test_quant*.py)"
 start=$SECONDS
-timeout 150 python3 -m pytest -q -p no:cacheprovider --maxfail=20 tests/test_quant_cuda.py tests/test_quant_formats.py \
-  tests/test_quant_layer.py > "$out/tests.log" 2>&1
+timeout 150 python3 -m pytest -q -p no:cacheprovider --maxfail=20 --tb=short --durations=5 tests/test_quant_cuda.py \
+  tests/test_quant_formats.py tests/test_quant_layer.py > "$out/tests.log" 2>&1
 echo "tests rc=$? in $((SECONDS - start)) s"
 grep -E "^(FAILED|ERROR)|passed|failed" "$out/tests.log" | tail -25
+# The first failure's traceback, short, for a first look.
+sed -n '/= FAILURES =/,$p' "$out/tests.log" | sed -n '2,/^___/p' | tail -40
 
 echo "== bench (python -m moetrain.quant.bench)"
 start=$SECONDS
