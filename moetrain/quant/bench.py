@@ -164,18 +164,45 @@ def print_row(row: dict, baseline: dict) -> None:
 
 @torch.no_grad()
 def kernel_timings(args, device: torch.device) -> None:
-    """One weight (the first shape's gate projection, [H, D]) of every format through each CUDA path
-    at several rows per expert, timed alone; the path cuda_path picks is marked with *. Also the FP8
-    activation quantization and the FP4 -> bf16 decode on their own."""
+    """One weight (each shape's gate projection, [H, D]) of every format through each CUDA path at
+    several rows per expert, timed alone; the path cuda_path picks is marked with *. Then, on the
+    first shape, the FP8 activation quantization and the FP4 -> bf16 decode on their own, and a
+    tile sweep of the Triton GEMM."""
+    print(f"kernel timings, ms (median of {args.iters}); weight GB/s = stored weight bytes / time, "
+          "TFLOP/s = 2 R N K / time; * = the path taken")
+    weights = path_timings(args.shapes[0], args, device)
     model_dim, hidden, experts, _ = SHAPES[args.shapes[0]]
+    for rows, width, group, swiglu in ((16384, model_dim, None, False), (16384, model_dim, 128, False),
+                                       (16384, hidden, None, True), (16384, hidden, 128, True)):
+        x = torch.randn(rows, width, device=device, dtype=torch.bfloat16)
+        up = torch.randn_like(x) if swiglu else None
+        ms = median_ms(lambda: kernels.quantize_fp8(x, group or width, up), args.iters, device)
+        torch_ms = median_ms(lambda: quantize_fp8_groups(F.silu(x) * up if swiglu else x, group or width), args.iters, device)
+        moved = x.numel() * (5 if swiglu else 3)  # bf16 in (twice for SwiGLU), FP8 out
+        print(f"  quantize_fp8 [{rows}, {width}] group {group or 'row'}{' swiglu' if swiglu else ''}: "
+              f"{ms:.3f} ms, {moved / ms / 1e6:.0f} GB/s (torch ops: {torch_ms:.3f} ms)", flush=True)
+    for name in ("mxfp4", "nvfp4"):
+        if name in weights:
+            stack = weights[name].stacks[name]
+            ms = median_ms(lambda: kernels.dequantize_fp4(stack.format, stack.stored(), model_dim), args.iters, device)
+            moved = experts * hidden * model_dim * 2.5  # half a byte in, two bytes out
+            print(f"  dequantize_fp4 {name} [{experts}, {hidden}, {model_dim}]: {ms:.3f} ms, {moved / ms / 1e6:.0f} GB/s",
+                  flush=True)
+    del weights
+    for shape in args.shapes[1:]:
+        path_timings(shape, args, device)
+    tile_sweep(model_dim, hidden, experts, args, device)
+
+
+def path_timings(shape: str, args, device: torch.device) -> dict[str, QuantizedWeight]:
+    model_dim, hidden, experts, _ = SHAPES[shape]
     torch.manual_seed(0)
     w_EKN = torch.randn(experts, model_dim, hidden, device=device) * model_dim**-0.5
     weights = {name: QuantizedWeight([name] * experts, hidden, model_dim, device) for name in args.formats}
     for weight in weights.values():
         weight.quantize(w_EKN)
     del w_EKN
-    print(f"kernel timings: [{hidden}, {model_dim}] weight of {experts} experts, ms (median of {args.iters}); "
-          "weight GB/s = stored weight bytes / time, TFLOP/s = 2 R N K / time; * = the path taken")
+    print(f"{shape}: [{hidden}, {model_dim}] weight of {experts} experts")
     for rows_per_expert in KERNEL_ROWS_PER_EXPERT:
         num_rows = rows_per_expert * experts
         counts_G = torch.full((experts,), rows_per_expert, dtype=torch.int32, device=device)
@@ -198,23 +225,7 @@ def kernel_timings(args, device: torch.device) -> None:
                     figures = f"FAILED: {type(error).__name__}: {error}"[:300]
                 mark = "*" if path == chosen else " "
                 print(f"  rows/expert {rows_per_expert:>5} {name:<10}{mark}{path:<20}{figures}", flush=True)
-    for rows, width, group, swiglu in ((16384, model_dim, None, False), (16384, model_dim, 128, False),
-                                       (16384, hidden, None, True), (16384, hidden, 128, True)):
-        x = torch.randn(rows, width, device=device, dtype=torch.bfloat16)
-        up = torch.randn_like(x) if swiglu else None
-        ms = median_ms(lambda: kernels.quantize_fp8(x, group or width, up), args.iters, device)
-        torch_ms = median_ms(lambda: quantize_fp8_groups(F.silu(x) * up if swiglu else x, group or width), args.iters, device)
-        moved = x.numel() * (5 if swiglu else 3)  # bf16 in (twice for SwiGLU), FP8 out
-        print(f"  quantize_fp8 [{rows}, {width}] group {group or 'row'}{' swiglu' if swiglu else ''}: "
-              f"{ms:.3f} ms, {moved / ms / 1e6:.0f} GB/s (torch ops: {torch_ms:.3f} ms)", flush=True)
-    for name in ("mxfp4", "nvfp4"):
-        if name in weights:
-            stack = weights[name].stacks[name]
-            ms = median_ms(lambda: kernels.dequantize_fp4(stack.format, stack.stored(), model_dim), args.iters, device)
-            moved = experts * hidden * model_dim * 2.5  # half a byte in, two bytes out
-            print(f"  dequantize_fp4 {name} [{experts}, {hidden}, {model_dim}]: {ms:.3f} ms, {moved / ms / 1e6:.0f} GB/s",
-                  flush=True)
-    tile_sweep(model_dim, hidden, experts, args, device)
+    return weights
 
 
 KERNEL_ROWS_PER_EXPERT = (1, 4, 16, 64, 128, 512, 2048)
