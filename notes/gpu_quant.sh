@@ -4,7 +4,7 @@
 # Writes OUTDIR/env.txt, tests.log, quant_bench.log, quant_bench.json, kernels.log and prints a
 # summary. Needs torch with CUDA and Triton; builds nothing (the Triton kernels compile on first use).
 # Order: tests, then the benchmark table, then the kernel-only timings, each under its own timeout
-# (about 4 minutes in all), so a run cut short still leaves the first results.
+# (about 4 minutes, at most 6.7), so a run cut short still leaves the first results.
 set -u
 out=${1:?usage: bash notes/gpu_quant.sh OUTDIR}
 mkdir -p "$out"
@@ -34,5 +34,5 @@ echo "bench rc=${PIPESTATUS[0]} in $((SECONDS - start)) s"
 
 echo "== kernel-only timings (python -m moetrain.quant.bench --kernels)"
 start=$SECONDS
-timeout 120 python3 -m moetrain.quant.bench --kernels 2>&1 | tee "$out/kernels.log"
+timeout 100 python3 -m moetrain.quant.bench --kernels --iters 10 2>&1 | tee "$out/kernels.log"
 echo "kernels rc=${PIPESTATUS[0]} in $((SECONDS - start)) s"
