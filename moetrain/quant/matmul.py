@@ -120,13 +120,6 @@ def per_expert_scaled_mm(fmt: WeightFormat, xq_RK: torch.Tensor, scale: torch.Te
     y_RN[source_N] = out_AN[target_N].to(y_RN.dtype)
 
 
-def quantized_matmul(x_RK: torch.Tensor, fmt: WeightFormat, q: dict[str, torch.Tensor], n: int, k: int) -> torch.Tensor:
-    """x_RK @ w_NK.T -> [R, N] in x's dtype, for one matrix w given by its format and stored tensors q."""
-    y_RN = x_RK.new_zeros(x_RK.size(0), n)
-    grouped_matmul(x_RK, fmt, {name: t.unsqueeze(0) for name, t in q.items()}, n, k, [0], [x_RK.size(0)], y_RN)
-    return y_RN
-
-
 def grouped_matmul(x_RK: torch.Tensor, fmt: WeightFormat, q_G: dict[str, torch.Tensor], n: int, k: int,
                    starts: list[int], counts: list[int], y_RN: torch.Tensor) -> None:
     """The "torch" path, and the CPU emulation: for each expert g of one format,
