@@ -213,7 +213,9 @@ def path_timings(shape: str, args, device: torch.device) -> dict[str, QuantizedW
             fmt, q_G = stack.format, stack.stored()
             weight_bytes = sum(t.numel() * t.element_size() for t in q_G.values())
             chosen = cuda_path(fmt, hidden, model_dim, rows_per_expert, True)
-            candidates = {"triton", chosen} | ({"scaled_grouped_mm"} if name == "fp8" else set()) | (
+            # "torch" for FP8: one cuBLAS _scaled_mm per expert, the alternative without Triton.
+            candidates = {"triton", chosen} | ({"scaled_grouped_mm", "torch"} if name == "fp8" else set()) | (
+                {"torch"} if name == "fp8_block" else set()) | (
                 {"dequant+grouped_mm"} if name in ("mxfp4", "nvfp4") else set()) | ({"grouped_mm"} if name == "bf16" else set())
             for path in sorted(candidates):
                 try:
