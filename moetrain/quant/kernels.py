@@ -40,6 +40,7 @@ def available() -> bool:
 
 
 if triton is not None:
+    _E4M3_MAX = tl.constexpr(E4M3_MAX)  # what a jitted function may read of a module constant
 
     @triton.jit
     def _fp8_scale_and_codes(x, finite, mask):
@@ -47,10 +48,10 @@ if triton is not None:
         exact arithmetic of formats.quantize_fp8_groups (IEEE divisions, round-to-nearest-even)."""
         amax = tl.max(tl.where(finite & mask, tl.abs(x), 0.0), axis=1)
         all_finite = tl.min(tl.where(mask, finite, True).to(tl.int32), axis=1) == 1
-        scale = tl.where(amax > 0, tl.math.div_rn(amax, tl.full(amax.shape, E4M3_MAX, tl.float32)), 1.0)
+        scale = tl.where(amax > 0, tl.math.div_rn(amax, tl.full(amax.shape, _E4M3_MAX, tl.float32)), 1.0)
         scale = tl.where(all_finite, scale, float("nan"))
         scaled = tl.math.div_rn(x, tl.broadcast_to(scale[:, None], x.shape))
-        scaled = tl.clamp(scaled, -E4M3_MAX, E4M3_MAX, propagate_nan=tl.PropagateNan.ALL)
+        scaled = tl.clamp(scaled, -_E4M3_MAX, _E4M3_MAX, propagate_nan=tl.PropagateNan.ALL)
         return scaled.to(tl.float8e4nv), scale
 
     @triton.jit
