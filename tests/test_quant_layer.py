@@ -223,6 +223,45 @@ def test_triton_kernels_in_the_interpreter():
     assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-3000:]
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CUDA tests compile and run the kernels there")
+def test_triton_kernels_compile_for_hopper():
+    """What the interpreter cannot see (globals, types, FP8 tensor-core dots): the kernels compiled
+    for sm_90 by Triton's own compiler, on this CPU, for one decode and one prefill tile."""
+    pytest.importorskip("triton.backends.nvidia")
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from moetrain.quant import kernels
+
+    def compile_ptx(fn, types: dict, constants: dict, **options) -> str:
+        signature = {**types, **dict.fromkeys(constants, "constexpr")}
+        return triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constants), target=GPUTarget("cuda", 90, 32),
+                              options=options).asm["ptx"]
+
+    ptx = compile_ptx(kernels._quantize_fp8_kernel,
+                      {"x_ptr": "*bf16", "up_ptr": "*bf16", "q_ptr": "*u8", "scale_ptr": "*fp32", "K": "i32",
+                       "stride_x": "i32", "stride_up": "i32", "stride_q": "i32", "stride_s": "i32"},
+                      {"GROUP": 128, "GROUP_P2": 128, "GROUPS": 16, "SWIGLU": True}, num_warps=8)
+    assert "cvt.rn.satfinite.e4m3x2.f32" in ptx and "div.rn.f32" in ptx  # hardware RNE cast, IEEE division
+    gemm_types = {"x_scale_ptr": "*fp32", "tensor_scale_ptr": "*fp32", "y_ptr": "*bf16", "start_ptr": "*i32",
+                  "count_ptr": "*i32", **dict.fromkeys(["N", "K", "ROW_TILES", "NUM_EXPERTS", "stride_xr", "stride_xsr",
+                                                       "stride_wg", "stride_wn", "stride_wsg", "stride_wsn", "stride_yr"], "i32")}
+    for name, x_type, scale_type, tiles in (("fp8_block", "*u8", "*fp32", (16, 64, 128, 4, 4)),
+                                            ("nvfp4", "*bf16", "*u8", (128, 128, 64, 8, 3))):
+        block_r, block_n, block_k, warps, stages = tiles
+        ptx = compile_ptx(kernels._grouped_gemm_kernel,
+                          {"x_ptr": x_type, "w_ptr": "*u8", "w_scale_ptr": scale_type, **gemm_types},
+                          {"FORMAT": kernels.FORMAT_CODES[name], "SCALE_BLOCK": 128 if name == "fp8_block" else 16,
+                           "EXPERTS_P2": 8, "BLOCK_R": block_r, "BLOCK_N": block_n, "BLOCK_K": block_k, "GROUP_R": 8},
+                          num_warps=warps, num_stages=stages)
+        assert ("e4m3" in ptx) == (name == "fp8_block")  # FP8 tensor-core dots for FP8 weights
+    compile_ptx(kernels._dequantize_fp4_kernel,
+                {"w_ptr": "*u8", "w_scale_ptr": "*u8", "tensor_scale_ptr": "*fp32", "out_ptr": "*bf16",
+                 **dict.fromkeys(["N", "K", "stride_wg", "stride_wn", "stride_wsg", "stride_wsn", "stride_og", "stride_on"], "i32")},
+                {"SCALE_BLOCK": 32, "NVFP4": False, "BLOCK_N": 32, "BLOCK_K": 128}, num_warps=4)
+
+
 @pytest.mark.parametrize("segments", [[(0, 0, 17), (2, 20, 5)], [(0, 0, 16), (1, 16, 32)]])
 def test_fp8_gemm_rows_are_realigned_to_16(segments):
     """The per-expert FP8 path (torch._scaled_mm, which torch also runs on CPU) on ragged experts."""
