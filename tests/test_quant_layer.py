@@ -180,8 +180,9 @@ KERNEL_CHECK = textwrap.dedent("""
     # Ragged experts (one empty, a gap of rows nobody owns) in thin row tiles, then in 128-row tiles.
     for counts, starts in (([5, 0, 19], [0, 5, 7]), ([150, 0, 140], [0, 150, 152])):
         total = starts[-1] + counts[-1]
-        for name, n, k in (("bf16", 40, 80), ("fp8", 40, 200), ("fp8_block", 136, 300), ("mxfp4", 40, 80),
-                           ("nvfp4", 24, 48)):
+        # K a multiple of the K tile or not (masked loads along K), for each kind of weight decode.
+        for name, n, k in (("bf16", 40, 128), ("fp8", 40, 200), ("fp8_block", 136, 256), ("mxfp4", 40, 80),
+                           ("nvfp4", 24, 256)):
             fmt = get_format(name)
             qs = [fmt.quantize(torch.randn(n, k)) for _ in range(3)]
             stacked = {key: torch.stack([q[key] for q in qs]) for key in qs[0]}
@@ -200,6 +201,17 @@ KERNEL_CHECK = textwrap.dedent("""
                 w = kernels.dequantize_fp4(fmt, stacked, k, torch.float32)
                 for g, q in enumerate(qs):  # exact up to NVFP4's fp32 tensor scale, folded in
                     torch.testing.assert_close(w[g], fmt.dequantize(q, k), rtol=1e-6, atol=0)
+    # Every byte (two E2M1 codes) with every NVFP4 block scale and a range of MXFP4 ones (MXFP4's
+    # code 0, 2^-127, decodes as 0 on the GPU), decoded to fp32 by the kernel and by the format.
+    codes = torch.arange(256, dtype=torch.uint8).repeat(128, 1)  # [128 channels, 512 values]
+    for name, scale in (("nvfp4", torch.arange(128, dtype=torch.uint8).view(torch.float8_e4m3fn)),
+                        ("mxfp4", torch.arange(64, 192, dtype=torch.uint8).view(torch.float8_e8m0fnu))):
+        fmt = get_format(name)
+        q = {"data": codes, "scale": scale[:, None].expand(128, 512 // fmt.block).contiguous(),
+             "tensor_scale": torch.tensor(1.0)}
+        w = kernels.dequantize_fp4(fmt, {key: t.unsqueeze(0) for key, t in q.items()}, 512, torch.float32)[0]
+        expected = fmt.dequantize(q, 512)
+        assert torch.equal(w.nan_to_num(7.0), expected.nan_to_num(7.0)), name
     # FP8 activations: the scales are bit-exact. The interpreter's own fp32 -> E4M3 cast misrounds
     # (values just below a power of two drop a binade, some ties go up, NaN becomes a number), so
     # here the codes are only checked to within a factor of two; the GPU test checks them bit for bit.
@@ -253,7 +265,8 @@ def test_triton_kernels_compile_for_hopper():
         ptx = compile_ptx(kernels._grouped_gemm_kernel,
                           {"x_ptr": x_type, "w_ptr": "*u8", "w_scale_ptr": scale_type, **gemm_types},
                           {"FORMAT": kernels.FORMAT_CODES[name], "SCALE_BLOCK": 128 if name == "fp8_block" else 16,
-                           "EXPERTS_P2": 8, "BLOCK_R": block_r, "BLOCK_N": block_n, "BLOCK_K": block_k, "GROUP_R": 8},
+                           "EXPERTS_P2": 8, "BLOCK_R": block_r, "BLOCK_N": block_n, "BLOCK_K": block_k, "GROUP_R": 8,
+                           "EVEN_K": name == "nvfp4"},
                           num_warps=warps, num_stages=stages)
         assert ("e4m3" in ptx) == (name == "fp8_block")  # FP8 tensor-core dots for FP8 weights
     compile_ptx(kernels._dequantize_fp4_kernel,

@@ -78,12 +78,19 @@ if triton is not None:
         tl.store(scale_ptr + row * stride_s + group_G, scale_G, mask=group_G * GROUP < K)
 
     @triton.jit
-    def _decode_e2m1(code):
-        """E2M1 codes (int32, 0..15) -> 2^-14 times their fp32 values: the code's exponent and mantissa
-        bits, moved to the top of an fp16's exponent and mantissa fields, are that fp16 (also for the
-        subnormal code 1, which lands on fp16's subnormal 2^-15). The block scale restores the 2^14."""
-        bits = ((code & 8) << 12) | ((code & 7) << 9)
-        return bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    def _decode_e2m1_pairs(packed):
+        """Bytes of two E2M1 codes (uint32, element 2i in the low nibble) -> 2^-14 times the values
+        of both codes, as fp32 tensors (low, high). A code's exponent and mantissa bits, moved to the
+        top of an fp16's exponent and mantissa fields, are that fp16 (also for the subnormal code 1,
+        which lands on fp16's subnormal 2^-15); the block scale restores the 2^14. One multiply
+        moves the magnitude bits of both codes at once (to bits 9-11 and 25-27), one the sign bits
+        (to 15 and 31); the masks drop the cross terms. That is ~3 integer operations a value."""
+        magnitudes = ((packed & 0x77) * 0x200200) & 0x0E000E00
+        signs = ((packed & 0x88) * 0x1001000) & 0x80008000
+        halves = magnitudes | signs
+        low = halves.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+        high = (halves >> 16).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+        return low, high
 
     @triton.jit
     def _decode_fp4_scale(code, NVFP4: tl.constexpr):
@@ -101,9 +108,10 @@ if triton is not None:
     @triton.jit
     def _decode_fp4_tile(packed, scale_code, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                          SCALE_BLOCK: tl.constexpr, NVFP4: tl.constexpr):
-        """Packed bytes [BLOCK_N, BLOCK_K/2] and their scale codes [BLOCK_N, BLOCK_K/SCALE_BLOCK]
+        """Packed bytes [BLOCK_N, BLOCK_K/2] (uint8) and their scale codes [BLOCK_N, BLOCK_K/SCALE_BLOCK]
         -> fp32 weights [BLOCK_N, BLOCK_K] (element 2i in the low nibble, 2i+1 in the high one)."""
-        w = tl.join(_decode_e2m1(packed & 15), _decode_e2m1(packed >> 4)).reshape(BLOCK_N, BLOCK_K)
+        low, high = _decode_e2m1_pairs(packed.to(tl.uint32))
+        w = tl.join(low, high).reshape(BLOCK_N, BLOCK_K)
         # 2^14 folded into the block scale: one multiply per block instead of per value. Exact while
         # the scale stays below 2^114 (block maxima under ~1e35; NVFP4's block scales always are).
         scale = _decode_fp4_scale(scale_code, NVFP4) * 16384.0
@@ -115,7 +123,7 @@ if triton is not None:
         x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, tensor_scale_ptr, y_ptr, start_ptr, count_ptr,
         N, K, ROW_TILES, NUM_EXPERTS, stride_xr, stride_xsr, stride_wg, stride_wn, stride_wsg, stride_wsn, stride_yr,
         FORMAT: tl.constexpr, SCALE_BLOCK: tl.constexpr, EXPERTS_P2: tl.constexpr,
-        BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_R: tl.constexpr,
+        BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_R: tl.constexpr, EVEN_K: tl.constexpr,
     ):
         # Tile (row tile t, column tile n), ordered in bands of GROUP_R row tiles so that the
         # programs running at once read few distinct activation and weight tiles.
@@ -144,35 +152,52 @@ if triton is not None:
         g64 = g.to(tl.int64)
         w_ptr += g64 * stride_wg
         w_scale_ptr += g64 * stride_wsg
-        x_rows = x_ptr + (start + rows)[:, None] * stride_xr
+        # Masks along K only for a ragged last K tile: a mask that changes along the contiguous
+        # dimension stops Triton from loading 16 bytes at a time.
+        x_ptrs = x_ptr + (start + rows)[:, None] * stride_xr + tl.arange(0, BLOCK_K)[None, :]
+        if FORMAT >= 3:  # FP4: two values a byte, one scale code per SCALE_BLOCK values
+            w_ptrs = w_ptr + cols[:, None] * stride_wn + tl.arange(0, BLOCK_K // 2)[None, :]
+            w_scale_ptrs = w_scale_ptr + cols[:, None] * stride_wsn + tl.arange(0, BLOCK_K // SCALE_BLOCK)[None, :]
+        else:
+            w_ptrs = w_ptr + cols[:, None] * stride_wn + tl.arange(0, BLOCK_K)[None, :]
         acc = tl.zeros((BLOCK_R, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
-            ks = k0 + tl.arange(0, BLOCK_K)
-            x = tl.load(x_rows + ks[None, :], mask=row_ok[:, None] & (ks[None, :] < K), other=0)
-            if FORMAT == 0:  # bf16 weights
-                w = tl.load(w_ptr + cols[:, None] * stride_wn + ks[None, :], mask=col_ok[:, None] & (ks[None, :] < K),
-                            other=0.0)
+            if EVEN_K:
+                x = tl.load(x_ptrs, mask=row_ok[:, None], other=0)
+            else:
+                x = tl.load(x_ptrs, mask=row_ok[:, None] & (k0 + tl.arange(0, BLOCK_K)[None, :] < K), other=0)
+            if FORMAT >= 3:  # FP4: stored K is padded with zero codes to whole scale blocks
+                if EVEN_K:
+                    packed = tl.load(w_ptrs, mask=col_ok[:, None], other=0)
+                    scale_code = tl.load(w_scale_ptrs, mask=col_ok[:, None], other=0)
+                else:
+                    byte_cols = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+                    packed = tl.load(w_ptrs, mask=col_ok[:, None] & (byte_cols[None, :] < (K + 1) // 2), other=0)
+                    blocks = k0 // SCALE_BLOCK + tl.arange(0, BLOCK_K // SCALE_BLOCK)
+                    scale_code = tl.load(w_scale_ptrs, mask=col_ok[:, None] & (blocks[None, :] < tl.cdiv(K, SCALE_BLOCK)),
+                                         other=0)
+                w = _decode_fp4_tile(packed, scale_code.to(tl.int32), BLOCK_N, BLOCK_K, SCALE_BLOCK,
+                                     FORMAT == 4)
                 acc = tl.dot(x, tl.trans(w.to(x.dtype)), acc)
-            elif FORMAT <= 2:  # FP8 weights and FP8 activations, both passed as bytes
-                w = tl.load(w_ptr + cols[:, None] * stride_wn + ks[None, :], mask=col_ok[:, None] & (ks[None, :] < K),
-                            other=0)
-                product = tl.dot(x.to(tl.float8e4nv, bitcast=True), tl.trans(w.to(tl.float8e4nv, bitcast=True)))
-                if FORMAT == 1:
-                    acc += product
-                else:  # one 1x128 activation scale and one 128x128 weight scale per K block
+                w_scale_ptrs += BLOCK_K // SCALE_BLOCK
+                w_ptrs += BLOCK_K // 2
+            else:
+                if EVEN_K:
+                    w = tl.load(w_ptrs, mask=col_ok[:, None], other=0)
+                else:
+                    w = tl.load(w_ptrs, mask=col_ok[:, None] & (k0 + tl.arange(0, BLOCK_K)[None, :] < K), other=0)
+                if FORMAT == 0:  # bf16 weights
+                    acc = tl.dot(x, tl.trans(w.to(x.dtype)), acc)
+                elif FORMAT == 1:  # FP8 weights and FP8 activations, both passed as bytes
+                    acc = tl.dot(x.to(tl.float8e4nv, bitcast=True), tl.trans(w.to(tl.float8e4nv, bitcast=True)), acc)
+                else:  # FP8, scaled per K block: one 1x128 activation and one 128x128 weight scale
+                    product = tl.dot(x.to(tl.float8e4nv, bitcast=True), tl.trans(w.to(tl.float8e4nv, bitcast=True)))
                     block = k0 // SCALE_BLOCK
                     x_scale = tl.load(x_scale_ptr + (start + rows) * stride_xsr + block, mask=row_ok, other=0.0)
                     w_scale = tl.load(w_scale_ptr + (cols // SCALE_BLOCK) * stride_wsn + block, mask=col_ok, other=0.0)
                     acc += product * x_scale[:, None] * w_scale[None, :]
-            else:  # FP4: stored K is padded with zero codes to whole scale blocks
-                byte_cols = k0 // 2 + tl.arange(0, BLOCK_K // 2)
-                packed = tl.load(w_ptr + cols[:, None] * stride_wn + byte_cols[None, :],
-                                 mask=col_ok[:, None] & (byte_cols[None, :] < (K + 1) // 2), other=0).to(tl.int32)
-                blocks = k0 // SCALE_BLOCK + tl.arange(0, BLOCK_K // SCALE_BLOCK)
-                scale_code = tl.load(w_scale_ptr + cols[:, None] * stride_wsn + blocks[None, :],
-                                     mask=col_ok[:, None] & (blocks[None, :] < tl.cdiv(K, SCALE_BLOCK)), other=0)
-                w = _decode_fp4_tile(packed, scale_code.to(tl.int32), BLOCK_N, BLOCK_K, SCALE_BLOCK, FORMAT == 4)
-                acc = tl.dot(x, tl.trans(w.to(x.dtype)), acc)
+                w_ptrs += BLOCK_K
+            x_ptrs += BLOCK_K
         if FORMAT == 1:  # per-token activation scale times per-channel weight scale
             x_scale = tl.load(x_scale_ptr + (start + rows) * stride_xsr, mask=row_ok, other=0.0)
             w_scale = tl.load(w_scale_ptr + cols * stride_wsn, mask=col_ok, other=0.0)
@@ -194,7 +219,7 @@ if triton is not None:
         blocks = pid_k * (BLOCK_K // SCALE_BLOCK) + tl.arange(0, BLOCK_K // SCALE_BLOCK)
         col_ok = cols < N
         packed = tl.load(w_ptr + g * stride_wg + cols[:, None] * stride_wn + byte_cols[None, :],
-                         mask=col_ok[:, None] & (byte_cols[None, :] < (K + 1) // 2), other=0).to(tl.int32)
+                         mask=col_ok[:, None] & (byte_cols[None, :] < (K + 1) // 2), other=0)
         scale_code = tl.load(w_scale_ptr + g * stride_wsg + cols[:, None] * stride_wsn + blocks[None, :],
                              mask=col_ok[:, None] & (blocks[None, :] < tl.cdiv(K, SCALE_BLOCK)), other=0)
         w = _decode_fp4_tile(packed, scale_code.to(tl.int32), BLOCK_N, BLOCK_K, SCALE_BLOCK, NVFP4)
@@ -274,7 +299,7 @@ def grouped_gemm(x_RK: torch.Tensor, x_scale: torch.Tensor | None, fmt: WeightFo
         w_scale.stride(0), w_scale.stride(1) if w_scale.dim() > 1 else 0, y_RN.stride(0),
         FORMAT=code, SCALE_BLOCK=scale_block,
         EXPERTS_P2=triton.next_power_of_2(num_experts), BLOCK_R=block_r, BLOCK_N=block_n, BLOCK_K=block_k,
-        GROUP_R=8, num_warps=warps, num_stages=stages,
+        GROUP_R=8, EVEN_K=k % block_k == 0, num_warps=warps, num_stages=stages,
     )
 
 
