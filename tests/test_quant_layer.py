@@ -272,7 +272,7 @@ def test_triton_kernels_compile_for_hopper():
     compile_ptx(kernels._dequantize_fp4_kernel,
                 {"w_ptr": "*u8", "w_scale_ptr": "*u8", "tensor_scale_ptr": "*fp32", "out_ptr": "*bf16",
                  **dict.fromkeys(["N", "K", "stride_wg", "stride_wn", "stride_wsg", "stride_wsn", "stride_og", "stride_on"], "i32")},
-                {"SCALE_BLOCK": 32, "NVFP4": False, "BLOCK_N": 32, "BLOCK_K": 128}, num_warps=4)
+                {"SCALE_BLOCK": 32, "NVFP4": False, "BLOCK_N": 32, "BLOCK_K": 128, "EVEN_K": True}, num_warps=4)
 
 
 @pytest.mark.parametrize("segments", [[(0, 0, 17), (2, 20, 5)], [(0, 0, 16), (1, 16, 32)]])

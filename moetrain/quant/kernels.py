@@ -212,16 +212,22 @@ if triton is not None:
         w_ptr, w_scale_ptr, tensor_scale_ptr, out_ptr, N, K, stride_wg, stride_wn, stride_wsg, stride_wsn,
         stride_og, stride_on,
         SCALE_BLOCK: tl.constexpr, NVFP4: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        EVEN_K: tl.constexpr,
     ):
         pid_k, pid_n, g = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
         cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         byte_cols = pid_k * (BLOCK_K // 2) + tl.arange(0, BLOCK_K // 2)
         blocks = pid_k * (BLOCK_K // SCALE_BLOCK) + tl.arange(0, BLOCK_K // SCALE_BLOCK)
         col_ok = cols < N
-        packed = tl.load(w_ptr + g * stride_wg + cols[:, None] * stride_wn + byte_cols[None, :],
-                         mask=col_ok[:, None] & (byte_cols[None, :] < (K + 1) // 2), other=0)
-        scale_code = tl.load(w_scale_ptr + g * stride_wsg + cols[:, None] * stride_wsn + blocks[None, :],
-                             mask=col_ok[:, None] & (blocks[None, :] < tl.cdiv(K, SCALE_BLOCK)), other=0)
+        if EVEN_K:  # no mask along K: 16-byte loads
+            byte_ok = col_ok[:, None]
+            block_ok = col_ok[:, None]
+        else:
+            byte_ok = col_ok[:, None] & (byte_cols[None, :] < (K + 1) // 2)
+            block_ok = col_ok[:, None] & (blocks[None, :] < tl.cdiv(K, SCALE_BLOCK))
+        packed = tl.load(w_ptr + g * stride_wg + cols[:, None] * stride_wn + byte_cols[None, :], mask=byte_ok, other=0)
+        scale_code = tl.load(w_scale_ptr + g * stride_wsg + cols[:, None] * stride_wsn + blocks[None, :], mask=block_ok,
+                             other=0)
         w = _decode_fp4_tile(packed, scale_code.to(tl.int32), BLOCK_N, BLOCK_K, SCALE_BLOCK, NVFP4)
         if NVFP4:
             w = w * tl.load(tensor_scale_ptr + g)
@@ -317,6 +323,6 @@ def dequantize_fp4(fmt: WeightFormat, q_G: dict[str, torch.Tensor], k: int, dtyp
     _dequantize_fp4_kernel[grid](
         data, scale, tensor_scale, out_GNK, n, k, data.stride(0), data.stride(1), scale.stride(0), scale.stride(1),
         out_GNK.stride(0), out_GNK.stride(1),
-        SCALE_BLOCK=fmt.block, NVFP4=nvfp4, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4,
+        SCALE_BLOCK=fmt.block, NVFP4=nvfp4, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0, num_warps=4,
     )
     return out_GNK
