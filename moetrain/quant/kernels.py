@@ -96,11 +96,9 @@ if triton is not None:
     def _decode_fp4_scale(code, NVFP4: tl.constexpr):
         """Stored block-scale bytes (int32) -> fp32: E4M3 for NVFP4 (0x7F is NaN), E8M0 for MXFP4 (the
         code is an fp32 exponent field; 255 is NaN; code 0, 2^-127, an fp32 subnormal, decodes as 0)."""
-        if NVFP4:  # always positive: 1024 * value = m << 1 (subnormal) or (8 + m) << e
-            exponent = (code >> 3) & 15
-            mantissa = code & 7
-            scaled = tl.where(exponent == 0, mantissa << 1, (8 + mantissa) << exponent)
-            value = tl.where((exponent == 15) & (mantissa == 7), float("nan"), scaled.to(tl.float32) * (1.0 / 1024.0))
+        if NVFP4:  # the hardware conversion; NaN spelled out (Triton's interpreter decodes it as 480)
+            value = code.to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+            value = tl.where(code == 0x7F, float("nan"), value)
         else:
             value = tl.where(code == 255, float("nan"), (code << 23).to(tl.float32, bitcast=True))
         return value
