@@ -10,8 +10,8 @@ ranks' gradients on the way back, and one that hands each rank a piece of a logi
 
     all_to_all          <-> all_to_all with split and concat dims swapped
     all_to_all_single   <-> all_to_all_single with input and output splits swapped
-    all_to_all_start, block_exchange_start + exchange_wait <-> the reverse exchange, launched by
-                        exchange_wait's backward and waited for by the start's backward
+    all_to_all_start + exchange_wait <-> the same all-to-all, launched by exchange_wait's
+                        backward and waited for by all_to_all_start's backward
     all_gather          <-> reduce_scatter        zero_gather <-> reduce-scatter of the flat tensor
     reduce_scatter      <-> all_gather            zero_scatter <-> all-gather of the flat tensor
     simple_all_reduce   <-> simple_all_reduce (sum)
@@ -19,12 +19,11 @@ ranks' gradients on the way back, and one that hands each rank a piece of a logi
 zero_gather / zero_scatter work on flattened tensors cut into equal, zero-padded shards, the
 layout ZeRO uses for parameters: zero_gather(zero_scatter(x), x.numel()) == x.flatten().
 
-all_to_all_start / block_exchange_start launch an exchange and exchange_wait reads its result, so
+all_to_all_start launches an equal-split all_to_all_single and exchange_wait reads its result, so
 work can be queued in between (on NCCL the wait only makes the current CUDA stream wait; the host
 never blocks). Their backward is split the same way: the backward of exchange_wait launches the
-reverse exchange and the backward of the start waits for it, so the autograd engine can run other
-nodes while a gradient travels. block_exchange_start moves blocks by point-to-point sends to
-whichever member and slot each belongs, so the receiver gets them in the layout it needs.
+reverse exchange and the backward of all_to_all_start waits for it, so the autograd engine can run
+other nodes while a gradient travels.
 
 Hierarchical all-to-all (`TwoLevelGroups`, `hierarchical_all_to_all`) exchanges within a node
 first and across nodes second, so each pair of nodes exchanges one large message instead of
@@ -33,15 +32,13 @@ local_size^2 small ones; it computes exactly what all_to_all_single computes on 
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.distributed as dist
 from torch.autograd.function import once_differentiable
 
 __all__ = [
     "ExchangeInFlight", "TwoLevelGroups", "all_gather", "all_to_all", "all_to_all_single", "all_to_all_start",
-    "block_exchange_start", "exchange_wait", "get_rank", "get_world_size",
+    "exchange_wait", "get_rank", "get_world_size",
     "hierarchical_all_to_all", "reduce_scatter", "simple_all_reduce", "zero_gather", "zero_scatter",
 ]
 
@@ -133,60 +130,28 @@ def all_to_all_single(x: torch.Tensor, output_split_sizes=None, input_split_size
 # --------------------------------------------------------------------------- asynchronous exchanges
 
 
-def _launch_blocks(x: torch.Tensor, send_to: list[int], recv_from: list[int], group) -> tuple[torch.Tensor, list, list]:
-    """Block b of x (x[b]) goes to member send_to[b]; block b of the result comes from member
-    recv_from[b]. Between two members the k-th block sent pairs with the k-th block received, so
-    neither side needs to know the other's block order. Blocks that stay are copied locally."""
-    me = get_rank(group)
-    ranks = dist.get_process_group_ranks(group or dist.group.WORLD)  # point-to-point takes global ranks
-    out = x.new_empty((len(recv_from),) + tuple(x.shape[1:]))
-    kept_in = [b for b, peer in enumerate(send_to) if peer == me]
-    kept_out = [b for b, peer in enumerate(recv_from) if peer == me]
-    if len(kept_in) != len(kept_out):
-        raise ValueError(f"exchange: {len(kept_in)} block(s) stay on member {me} but {len(kept_out)} are expected")
-    for source, target in zip(kept_in, kept_out):
-        out[target].copy_(x[source])
-    operations, sending, sent, received = [], [], {}, {}
-    if math.prod(x.shape[1:]):  # empty blocks need no messages
-        for b, peer in enumerate(send_to):
-            if peer != me:  # the tag orders the pair's blocks where the backend does not (Gloo)
-                sent[peer] = sent.get(peer, -1) + 1
-                sending.append(x[b].contiguous())
-                operations.append(dist.P2POp(dist.isend, sending[-1], ranks[peer], group, sent[peer]))
-        for b, peer in enumerate(recv_from):
-            if peer != me:
-                received[peer] = received.get(peer, -1) + 1
-                operations.append(dist.P2POp(dist.irecv, out[b], ranks[peer], group, received[peer]))
-    return out, dist.batch_isend_irecv(operations) if operations else [], sending
-
-
 class ExchangeInFlight:
-    """An exchange started by all_to_all_start or block_exchange_start and not yet read. It holds
-    the handles of whichever exchange of the pair is running: the forward one until exchange_wait,
-    then, in backward, the reverse one from exchange_wait's backward until the start's backward."""
+    """An all-to-all started by all_to_all_start and not yet read. It holds the handle of whichever
+    exchange of the pair is running: the forward one until exchange_wait, then, in backward, the
+    reverse one from exchange_wait's backward until all_to_all_start's backward."""
 
-    def __init__(self, group, send_to: list[int] | None = None, recv_from: list[int] | None = None):
-        self.group, self.send_to, self.recv_from = group, send_to, recv_from
-        self.works: list = []
-        self.sending: list[torch.Tensor] = []
+    def __init__(self, group):
+        self.group = group
+        self.work = None
+        self.sending: torch.Tensor | None = None
         self.output: torch.Tensor | None = None
 
-    def launch(self, x: torch.Tensor, reverse: bool = False) -> torch.Tensor:
+    def launch(self, x: torch.Tensor) -> torch.Tensor:
         # The input stays referenced until finish(): until then the caching allocator must not hand
         # its memory to kernels of the current stream while the exchange may still read it.
-        if self.send_to is None:  # an equal-split all-to-all is its own reverse
-            self.sending = [x.contiguous()]
-            out = torch.empty_like(self.sending[0])
-            self.works = [dist.all_to_all_single(out, self.sending[0], group=self.group, async_op=True)]
-            return out
-        send_to, recv_from = (self.recv_from, self.send_to) if reverse else (self.send_to, self.recv_from)
-        out, self.works, self.sending = _launch_blocks(x, send_to, recv_from, self.group)
+        self.sending = x.contiguous()
+        out = torch.empty_like(self.sending)
+        self.work = dist.all_to_all_single(out, self.sending, group=self.group, async_op=True)
         return out
 
     def finish(self) -> None:
-        for work in self.works:
-            work.wait()
-        self.works, self.sending = [], []
+        self.work.wait()
+        self.work, self.sending = None, None
 
 
 class _StartExchange(torch.autograd.Function):
@@ -212,7 +177,7 @@ class _WaitExchange(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, grad):
-        return ctx.flight.launch(grad, reverse=True), None
+        return ctx.flight.launch(grad), None  # an equal-split all-to-all is its own reverse
 
 
 def all_to_all_start(x: torch.Tensor, group=None) -> ExchangeInFlight:
@@ -220,21 +185,6 @@ def all_to_all_start(x: torch.Tensor, group=None) -> ExchangeInFlight:
     exchange_wait. Every rank must start (and wait for) its exchanges in the same order."""
     _split_evenly(x.size(0), get_world_size(group), "all_to_all_start")
     flight = ExchangeInFlight(group)
-    flight.output = _StartExchange.apply(x, flight)
-    return flight
-
-
-def block_exchange_start(x: torch.Tensor, send_to: list[int], recv_from: list[int], group=None) -> ExchangeInFlight:
-    """Launch an exchange of the blocks x[b] (each contiguous, so x may be a slice of a larger
-    tensor): block b goes to group member send_to[b], and block b of the result (len(recv_from)
-    blocks) comes from member recv_from[b]; between two members the blocks pair up in index order.
-    Unlike all_to_all_single, the blocks arrive in any order the receiver asks for, so no copy
-    regroups them. Read the result with exchange_wait."""
-    world = get_world_size(group)
-    if len(send_to) != x.size(0) or not all(0 <= peer < world for peer in list(send_to) + list(recv_from)):
-        raise ValueError(f"block_exchange_start: send_to needs one member in [0, {world}) per block of x "
-                         f"({x.size(0)}), recv_from members in [0, {world})")
-    flight = ExchangeInFlight(group, list(send_to), list(recv_from))
     flight.output = _StartExchange.apply(x, flight)
     return flight
 

@@ -3,14 +3,12 @@ Gloo on CPU, and NCCL on two GPUs where there are two (skipped otherwise).
 
 One spawn runs every check (spawning is the slow part); each rank writes its largest differences
 from a single-process reference, which the tests below read:
-  - net.all_to_all_start / exchange_wait, three exchanges in flight, waited in reverse order, and
-    net.block_exchange_start with blocks in a mixed order, forward and backward, against an
-    emulation of both ranks in one process;
+  - net.all_to_all_start / exchange_wait, three exchanges in flight, waited in reverse order,
+    forward and backward, against an emulation of both ranks in one process;
   - a padded MoE layer whose ranks hold different token counts (so different capacities, agreed
-    on the host) under a2a_ffn_overlap_degree 1, 2 and 4, with each way of exchanging the rows:
-    outputs, input gradients and expert and router gradients against the same layer run whole in
-    one process, and the degrees against each other; the number of exchanges shows the chunking
-    really happened;
+    on the host) under a2a_ffn_overlap_degree 1, 2 and 4: outputs, input gradients and expert and
+    router gradients against the same layer run whole in one process, and the degrees against each
+    other; the number of exchanges shows the chunking really happened;
   - one expert replicated on both ranks with its hidden dim split (adaptive_r=2), chunked.
 """
 
@@ -26,7 +24,6 @@ import torch.distributed as dist
 from moetrain import MoELayer, net
 from moetrain.parallel import parallelize, spawn
 from moetrain.parallel import expert as expert_parallel
-from moetrain.parallel.expert import EXCHANGES
 
 WORLD = 2
 TOKENS = (9, 14)  # per rank: capacities 2*ceil(9/4) = 6 and 2*ceil(14/4) = 8 with 4 experts, top-2
@@ -62,40 +59,21 @@ def _check_exchanges(results: dict, rank: int) -> None:
         worst = max(worst, _max_diff(y, expected), _max_diff(leaf.grad, expected_grad))
     results["async all_to_all"] = worst
 
-    # Blocks to either member in a mixed order, some staying; each side lists its own order only.
-    send_to = [[1, 0, 1, 1, 0], [0, 0, 1, 0, 1]]
-    recv_from = [[1, 0, 1, 0, 1], [0, 1, 0, 0, 1]]
-    xs = [_randn(5, 2, 3, generator=gen) for _ in range(WORLD)]
-    gs = [_randn(5, 2, 3, generator=gen) for _ in range(WORLD)]
-    expected = [torch.empty_like(x) for x in xs]
-    expected_grad = [torch.empty_like(x) for x in xs]
-    for source in range(WORLD):
-        for target in range(WORLD):
-            # The k-th block from source to target lands in target's k-th slot from source.
-            blocks = [b for b, peer in enumerate(send_to[source]) if peer == target]
-            slots = [b for b, peer in enumerate(recv_from[target]) if peer == source]
-            for block, slot in zip(blocks, slots, strict=True):
-                expected[target][slot] = xs[source][block]
-                expected_grad[source][block] = gs[target][slot]
-    leaf = xs[rank].clone().requires_grad_()
-    y = net.exchange_wait(net.block_exchange_start(leaf, send_to[rank], recv_from[rank]))
-    (y * gs[rank]).sum().backward()
-    results["block exchange"] = max(_max_diff(y, expected[rank]), _max_diff(leaf.grad, expected_grad[rank]))
-
 
 def _counting_starts():
-    """Patch the exchanges' starts to count them; returns the counter list."""
+    """Patch net.all_to_all_start to count exchanges; returns the counter list."""
     calls = []
-    for name in ("all_to_all_start", "block_exchange_start"):
-        def counted(*args, start=getattr(net, name), **kwargs):
-            calls.append(args[0].shape)
-            return start(*args, **kwargs)
+    start = net.all_to_all_start
 
-        setattr(net, name, counted)
+    def counted(x, group=None):
+        calls.append(x.shape)
+        return start(x, group)
+
+    net.all_to_all_start = counted
     return calls
 
 
-def _compare_layer(results: dict, tag: str, layer: MoELayer, rank: int, calls: list, exchange: str, **call) -> None:
+def _compare_layer(results: dict, tag: str, layer: MoELayer, rank: int, calls: list, **call) -> None:
     """Run `layer` (one instance per process, seed 0) whole in this process on each rank's tokens,
     then parallelized under each degree, and record the largest differences."""
     gen = torch.Generator().manual_seed(7)
@@ -119,7 +97,7 @@ def _compare_layer(results: dict, tag: str, layer: MoELayer, rank: int, calls: l
                 (reference(x) * g).sum(), list(reference.experts.parameters()))):
             ref_expert_grads[name] += grad
 
-    strategy = parallelize(layer, exchange=exchange)[0]
+    strategy = parallelize(layer)[0]
     outputs = {}
     for degree in DEGREES:
         layer.zero_grad()
@@ -145,13 +123,11 @@ def worker(rank: int, world: int, out_dir: str) -> None:
     results = {}
     _check_exchanges(results, rank)
     calls = _counting_starts()
-    for exchange in EXCHANGES:
-        torch.manual_seed(0)
-        _compare_layer(results, f"{exchange} padded", MoELayer(8, 4, 12, top_k=2, capacity_factor=1.0).to(_device()),
-                       rank, calls, exchange)
-        torch.manual_seed(0)
-        _compare_layer(results, f"{exchange} hidden split", MoELayer(8, 1, 12, top_k=1, capacity_factor=1.0).to(_device()),
-                       rank, calls, exchange, adaptive_r=2)
+    torch.manual_seed(0)
+    _compare_layer(results, "padded", MoELayer(8, 4, 12, top_k=2, capacity_factor=1.0).to(_device()), rank, calls)
+    torch.manual_seed(0)
+    _compare_layer(results, "hidden split", MoELayer(8, 1, 12, top_k=1, capacity_factor=1.0).to(_device()), rank,
+                   calls, adaptive_r=2)
     results["agreed capacity"] = parallelize(MoELayer(8, 2, 4).to(_device()))[0]._agreed_capacity(3 + 5 * rank)
     cpu_group = expert_parallel.host_group()  # Gloo: the default group itself; NCCL: a new Gloo group
     results["host group"] = (cpu_group is None, dist.get_backend(cpu_group))
@@ -171,18 +147,15 @@ def results(request, tmp_path_factory):
     return request.param, [torch.load(os.path.join(out_dir, f"results{rank}.pt")) for rank in range(WORLD)]
 
 
-@pytest.mark.parametrize("primitive", ["async all_to_all", "block exchange"])
-def test_async_exchanges_match_emulation(results, primitive):
+def test_async_all_to_all_matches_emulation(results):
     _, per_rank = results
-    assert [rank_results[primitive] for rank_results in per_rank] == [0.0, 0.0]  # moved, not computed
+    assert [rank_results["async all_to_all"] for rank_results in per_rank] == [0.0, 0.0]  # moved, not computed
 
 
-@pytest.mark.parametrize("layer", ["padded", "hidden split"])
-@pytest.mark.parametrize("exchange", EXCHANGES)
+@pytest.mark.parametrize("tag", ["padded", "hidden split"])
 @pytest.mark.parametrize("degree", DEGREES)
-def test_overlap_degrees_match_one_process(results, exchange, layer, degree):
+def test_overlap_degrees_match_one_process(results, tag, degree):
     _, per_rank = results
-    tag = f"{exchange} {layer}"
     for rank_results in per_rank:
         errors = {key: value for key, value in rank_results.items() if key.startswith(f"{tag} degree {degree}: vs")}
         assert len(errors) == 2 and max(errors.values()) <= LIMIT, errors

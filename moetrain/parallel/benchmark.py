@@ -12,7 +12,7 @@ timed with CUDA events; throughput is tokens per second over all GPUs, and speed
 throughput over one-GPU throughput (N is ideal).
 
 --profile adds one more step per setup under torch.profiler (rank 0's view) and prints where its
-GPU time went: the forward / backward / optimizer spans, kernel time by kind (GEMMs, NCCL, of
+GPU time went: the forward / backward / optimizer spans (CUDA events), kernel time by kind (GEMMs, NCCL, of
 which NCCL with no other kernel running, copies, the rest), GPU idle, the slowest kernels, and the
 host syncs torch reports for that step (torch.cuda.set_sync_debug_mode) with where they came from.
 A setup that fails prints its error in its row; the other rows still run.
@@ -35,7 +35,7 @@ import torch.distributed as dist
 from torch import nn
 
 from moetrain import MoELayer
-from moetrain.parallel.expert import EXCHANGES, parallelize
+from moetrain.parallel.expert import parallelize
 from moetrain.parallel.launch import spawn
 from moetrain.parallel.optimizer import DistributedOptimizer
 
@@ -116,14 +116,9 @@ def _breakdown(events: list[dict]) -> dict:
         by_name[e["name"]] = by_name.get(e["name"], 0.0) + e["dur"]
     busy = _union_us(spans)
     busy_without_nccl = _union_us([span for span, e in zip(spans, kernels) if _kind(e["name"]) != "nccl"])
-    phases = {}
-    for e in events:
-        if e.get("cat") == "gpu_user_annotation" and e.get("name") in ("forward", "backward", "optimizer"):
-            phases[e["name"]] = phases.get(e["name"], 0.0) + e["dur"] / 1e3
     top = sorted(by_name.items(), key=lambda item: -item[1])[:6]
     return {
         "span_ms": (max(end for _, end in spans) - min(start for start, _ in spans)) / 1e3,
-        "phases_ms": phases,
         **{f"{kind}_ms": by_kind.get(kind, 0.0) / 1e3 for kind in ("gemm", "nccl", "copy", "other")},
         "nccl_alone_ms": (busy - busy_without_nccl) / 1e3,
         "idle_ms": (max(end for _, end in spans) - min(start for start, _ in spans) - busy) / 1e3,
@@ -132,8 +127,11 @@ def _breakdown(events: list[dict]) -> dict:
 
 
 def _profile_step(model, optimizer, args, **call) -> dict:
-    """One training step under torch.profiler, and the host syncs torch reports during it."""
+    """One training step under torch.profiler, its phases timed by CUDA events (the backward runs
+    on autograd's own thread, outside any range the main thread opens), and the host syncs torch
+    reports during it."""
     x_TD = _tokens(args)
+    marks = [torch.cuda.Event(enable_timing=True) for _ in range(4)]
     torch.cuda.synchronize()
     with tempfile.TemporaryDirectory() as folder, warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -141,13 +139,14 @@ def _profile_step(model, optimizer, args, **call) -> dict:
         with torch.profiler.profile(activities=activities) as profiler:
             torch.cuda.set_sync_debug_mode("warn")
             try:
-                with torch.profiler.record_function("forward"):
-                    loss = model(x_TD, **call).float().square().mean()
-                with torch.profiler.record_function("backward"):
-                    loss.backward()
-                with torch.profiler.record_function("optimizer"):
-                    optimizer.step()
-                    optimizer.zero_grad()
+                marks[0].record()
+                loss = model(x_TD, **call).float().square().mean()
+                marks[1].record()
+                loss.backward()
+                marks[2].record()
+                optimizer.step()
+                optimizer.zero_grad()
+                marks[3].record()
             finally:
                 torch.cuda.set_sync_debug_mode("default")
             torch.cuda.synchronize()
@@ -155,6 +154,8 @@ def _profile_step(model, optimizer, args, **call) -> dict:
         profiler.export_chrome_trace(path)
         with open(path) as file:
             summary = _breakdown(json.load(file)["traceEvents"])
+    summary["phases_ms"] = {phase: start.elapsed_time(end) for phase, start, end
+                            in zip(("forward", "backward", "optimizer"), marks, marks[1:])}
     syncs = [w for w in caught if "synchroniz" in str(w.message)]
     summary["syncs"] = len(syncs)
     summary["sync_sites"] = sorted({f"{os.path.relpath(w.filename)}:{w.lineno}" for w in syncs})
@@ -187,15 +188,10 @@ def _single_gpu(args) -> dict:
 
 def _multi_gpu(rank: int, world: int, args, out_path: str) -> None:
     model = _build(args)
-    strategies = parallelize(model, adaptive_r=1)
+    parallelize(model, adaptive_r=1)
     optimizer = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1e-6), model)
-    results = {}
-    for exchange in args.exchange:
-        for strategy in strategies:
-            strategy.exchange = exchange
-        for degree in args.overlap:
-            results[f"{exchange} {degree}"] = _run_row(
-                lambda: _measure(model, optimizer, args, a2a_ffn_overlap_degree=degree))
+    results = {degree: _run_row(lambda: _measure(model, optimizer, args, a2a_ffn_overlap_degree=degree))
+               for degree in args.overlap}
     if rank == 0:
         with open(out_path, "w") as file:
             json.dump(results, file)
@@ -215,12 +211,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--impl", choices=("kernel", "torch"), default="kernel", help="dispatch/combine implementation")
-    parser.add_argument("--exchange", type=lambda text: text.split(","), default=list(EXCHANGES),
-                        help=f"how the rows travel, comma-separated from {EXCHANGES}")
     parser.add_argument("--profile", action="store_true", help="also profile one step per setup (see above)")
     args = parser.parse_args(argv)
-    if not set(args.exchange) <= set(EXCHANGES):
-        parser.error(f"--exchange must name some of {EXCHANGES}, got {args.exchange}")
     if not torch.cuda.is_available() or torch.cuda.device_count() < args.gpus:
         parser.error(f"needs {args.gpus} CUDA GPUs, found {torch.cuda.device_count() if torch.cuda.is_available() else 0}")
 
@@ -231,13 +223,11 @@ def main(argv: list[str] | None = None) -> int:
         try:
             spawn(_multi_gpu, args.gpus, args=(args, out_path), backend="nccl")
             with open(out_path) as file:
-                multi = json.load(file)
+                multi = {int(degree): row for degree, row in json.load(file).items()}
         except Exception as error:  # noqa: BLE001 - still print the one-GPU row
-            multi = {f"{exchange} {degree}": {"error": f"{type(error).__name__}: {error}"}
-                     for exchange in args.exchange for degree in args.overlap}
+            multi = {degree: {"error": f"{type(error).__name__}: {error}"} for degree in args.overlap}
 
-    rows = [("1 GPU", 1, None, single)] + [(f"{args.gpus} GPUs {key.split()[0]}", args.gpus, int(key.split()[1]), row)
-                                           for key, row in multi.items()]
+    rows = [("1 GPU", 1, None, single)] + [(f"{args.gpus} GPUs EP", args.gpus, degree, row) for degree, row in multi.items()]
     report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "config": vars(args), "runs": []}
     _print_table(rows, args, report)
     if args.profile:
@@ -249,9 +239,9 @@ def main(argv: list[str] | None = None) -> int:
 def _print_table(rows, args, report) -> None:
     flop_per_token = args.layers * args.top_k * args.dim * args.hidden * 2 * 2 * 3
     base = args.tokens / rows[0][3]["step_s"] if "step_s" in rows[0][3] else None
-    print(f"{'setup':20s} {'overlap':>7s} {'step ms':>9s} {'tokens/s':>12s} {'expert TFLOP/s/GPU':>19s} {'speedup':>8s}")
+    print(f"{'setup':14s} {'overlap':>7s} {'step ms':>9s} {'tokens/s':>12s} {'expert TFLOP/s/GPU':>19s} {'speedup':>8s}")
     for name, gpus, degree, row in rows:
-        label = f"{name:20s} {degree if degree else '-':>7}"
+        label = f"{name:14s} {degree if degree else '-':>7}"
         if "step_s" not in row:
             print(f"{label} FAILED {row['error']}")
             print("".join(f"    {line}\n" for line in row.get("traceback", "").splitlines()[-6:]), end="")
@@ -269,14 +259,14 @@ def _print_table(rows, args, report) -> None:
 def _print_profiles(rows) -> None:
     print("\none profiled step, rank 0, GPU milliseconds (NCCL alone: no other kernel running; syncs: host syncs)")
     columns = ("span", "fwd", "bwd", "optim", "GEMM", "NCCL", "alone", "copies", "other", "idle", "syncs")
-    print(f"{'setup':20s} {'overlap':>7s} " + " ".join(f"{column:>7s}" for column in columns))
+    print(f"{'setup':14s} {'overlap':>7s} " + " ".join(f"{column:>7s}" for column in columns))
     for name, _, degree, row in rows:
         profile = row.get("profile") or {}
-        label = f"{name:20s} {degree if degree else '-':>7}"
+        label = f"{name:14s} {degree if degree else '-':>7}"
         if "span_ms" not in profile:
             print(f"{label} no profile: {profile.get('error') or row.get('error')}")
             continue
-        phases = profile["phases_ms"]
+        phases = profile.get("phases_ms", {})
         values = [profile["span_ms"], phases.get("forward", float("nan")), phases.get("backward", float("nan")),
                   phases.get("optimizer", float("nan")), profile["gemm_ms"], profile["nccl_ms"],
                   profile["nccl_alone_ms"], profile["copy_ms"], profile["other_ms"], profile["idle_ms"]]

@@ -19,11 +19,12 @@ exchanged so that each rank runs its own experts on every rank's rows for them:
 With a2a_ffn_overlap_degree = n > 1 the capacity dim is cut into n chunks: all chunks'
 all-to-alls are launched at once (net.all_to_all_start) and each chunk's experts wait, on the GPU
 stream only, for that chunk's rows, so on GPUs communication overlaps expert compute; backward
-overlaps the same way (see _padded). Chunking costs two more copies of the buffer each way and,
+overlaps the same way (see _padded). Chunking costs one more copy of the buffer each way and,
 for experts whose weight gradient is a GEMM over all rows, one more addition of that gradient per
-extra chunk, so it pays only where an exchange takes longer than those. Only the padded layout is
-chunked; a dropless layer (whose row counts are only known after an exchange) runs unchunked, so
-one model-wide degree works for models that mix both.
+extra chunk, so it pays only where an exchange takes longer than those (on two NVLink H200s it
+did not: docs/distributed.md). Only the padded layout is chunked; a dropless layer (whose row
+counts are only known after an exchange) runs unchunked, so one model-wide degree works for
+models that mix both.
 
 Shape letters: E experts, V virtual experts (E*r), C capacity, D model dim, G ranks of the
 expert-parallel group, R buffer rows.
@@ -49,11 +50,6 @@ HIDDEN_AXES: dict[type[Experts], dict[str, int | None]] = {
 }
 
 
-# How the padded layout's rows travel: "blocks" sends each expert's block point-to-point straight
-# into the slot it computes from; "all_to_all" uses one collective and regroups with a copy each way.
-EXCHANGES = ("blocks", "all_to_all")
-
-
 def _check_overlap(degree) -> int:
     if isinstance(degree, bool) or not isinstance(degree, int) or degree < 1:
         raise ValueError(f"a2a_ffn_overlap_degree must be an integer >= 1, got {degree!r}")
@@ -72,13 +68,9 @@ class ExpertParallel:
     """Runs one layer's experts across ranks; holds the default degree and overlap of that layer.
     host_group: a Gloo group with the layout's ranks (see host_group()), shared by all layers."""
 
-    def __init__(self, layout: ExpertLayout, host_group, adaptive_r: int = 1, a2a_ffn_overlap_degree: int = 1,
-                 exchange: str = "blocks"):
+    def __init__(self, layout: ExpertLayout, host_group, adaptive_r: int = 1, a2a_ffn_overlap_degree: int = 1):
         self.layout = layout
         self.host_group = host_group
-        if exchange not in EXCHANGES:
-            raise ValueError(f"exchange must be one of {EXCHANGES}, got {exchange!r}")
-        self.exchange = exchange
         self.adaptive_r = layout.check_r(adaptive_r)
         self.a2a_ffn_overlap_degree = _check_overlap(a2a_ffn_overlap_degree)
 
@@ -150,35 +142,14 @@ class ExpertParallel:
             x_ECD = nn.functional.pad(x_ECD, (0, 0, 0, common - capacity))
         x_VCD = x_ECD if r == 1 else x_ECD.unsqueeze(1).expand(num_experts, r, common, dim).reshape(-1, common, dim)
         local, chunk = x_VCD.size(0) // members, common // overlap
-        blocks = self.exchange == "blocks"
-        if blocks:
-            # Virtual expert v's rows go to its owner; arrival slot l*G + g holds member g's rows for
-            # local expert l, so they arrive expert-major and leave the same way, without copies.
-            owner_V = [v // local for v in range(x_VCD.size(0))]
-            source_S = [g for _ in range(local) for g in range(members)]
 
-            def dispatch(x_VcD):
-                return net.block_exchange_start(x_VcD, owner_V, source_S, group)
-
-            def send_back(y_ScD):
-                return net.block_exchange_start(y_ScD, source_S, owner_V, group)
-        else:
-            def dispatch(x_VcD):
-                return net.all_to_all_start(x_VcD, group)
-
-            send_back = dispatch
-
-        def compute(recv_ScD):
-            # The experts want expert-major [L, G*c, D] rows; an all-to-all delivers them source-major
-            # [G, L, c, D] (and takes the results back destination-major): a copy each way.
-            if blocks:
-                x_LGcD = recv_ScD.view(local, members, chunk, dim)
-            else:
-                x_LGcD = recv_ScD.view(members, local, chunk, dim).transpose(0, 1)
-            counts = torch.full((local,), members * chunk, dtype=torch.long, device=recv_ScD.device)
-            y_RD = functional_call(experts, params, (x_LGcD.reshape(-1, dim), counts, members * chunk))
-            y_LGcD = y_RD.view(local, members, chunk, -1)
-            return (y_LGcD if blocks else y_LGcD.transpose(0, 1)).reshape(local * members, chunk, -1)
+        def compute(recv_VcD):
+            # Received source-major [G, L, c, D]; the experts want expert-major [L, G*c, D] rows, and
+            # the results go back destination-major [G, L, c, D]: a copy each way.
+            x_RD = recv_VcD.view(members, local, chunk, dim).transpose(0, 1).reshape(-1, dim)
+            counts = torch.full((local,), members * chunk, dtype=torch.long, device=x_RD.device)
+            y_RD = functional_call(experts, params, (x_RD, counts, members * chunk))
+            return y_RD.view(local, members, chunk, -1).transpose(0, 1).reshape(local * members, chunk, -1)
 
         # Chunks of the capacity dim. Every dispatch exchange is launched first; chunk i's experts
         # wait (on the GPU stream, not the host) for chunk i only, and its results leave while
@@ -187,8 +158,8 @@ class ExpertParallel:
         # number first: the waits' backwards launch every returning chunk's reverse exchange at
         # once, then chunk n-1 to 0 run their expert backward, each launching its dispatch's
         # reverse exchange, which travels while the next chunk's expert backward runs.
-        arriving = [dispatch(x_VcD) for x_VcD in x_VCD.chunk(overlap, dim=1)]
-        leaving = [send_back(compute(net.exchange_wait(flight))) for flight in arriving]
+        arriving = [net.all_to_all_start(x_VcD, group) for x_VcD in x_VCD.chunk(overlap, dim=1)]
+        leaving = [net.all_to_all_start(compute(net.exchange_wait(flight)), group) for flight in arriving]
         returned = [net.exchange_wait(flight) for flight in leaving]
         y_VCD = returned[0] if overlap == 1 else torch.cat(returned, dim=1)
         if r > 1:
@@ -250,11 +221,9 @@ def _keep_local_experts(experts: Experts, layout: ExpertLayout) -> None:
             setattr(module, name, mark_expert(local))
 
 
-def parallelize(model: nn.Module, adaptive_r: int = 1, a2a_ffn_overlap_degree: int = 1, group=None,
-                exchange: str = "blocks") -> list[ExpertParallel]:
+def parallelize(model: nn.Module, adaptive_r: int = 1, a2a_ffn_overlap_degree: int = 1, group=None) -> list[ExpertParallel]:
     """Shard the experts of every MoELayer in `model` over the ranks of `group` (in place; call on
-    every rank with the same full model before building the optimizer). Returns the strategies.
-    exchange: how padded rows travel, one of EXCHANGES (above)."""
+    every rank with the same full model before building the optimizer). Returns the strategies."""
     from moetrain.moe import moe_layers
 
     layouts: dict[int, ExpertLayout] = {}
@@ -266,7 +235,7 @@ def parallelize(model: nn.Module, adaptive_r: int = 1, a2a_ffn_overlap_degree: i
         if layer.num_experts not in layouts:
             layouts[layer.num_experts] = ExpertLayout(layer.num_experts, group)
         layout = layouts[layer.num_experts]
-        strategy = ExpertParallel(layout, cpu_group, adaptive_r, a2a_ffn_overlap_degree, exchange)  # checks before any change
+        strategy = ExpertParallel(layout, cpu_group, adaptive_r, a2a_ffn_overlap_degree)  # checks before any change
         _keep_local_experts(layer.experts, layout)
         layer.parallel = strategy
         strategies.append(strategy)
