@@ -15,6 +15,7 @@ from a single-process reference, which the tests below read:
 from __future__ import annotations
 
 import copy
+import math
 import os
 
 import pytest
@@ -161,6 +162,25 @@ def test_overlap_degrees_match_one_process(results, tag, degree):
         assert len(errors) == 2 and max(errors.values()) <= LIMIT, errors
         # One dispatch and one return exchange per chunk.
         assert rank_results[f"{tag} degree {degree}: exchanges"] == 2 * degree
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("shape", [(2, 3, 5, 8), (2, 3, 5, 3)], ids=["8-byte rows", "odd rows"])
+@pytest.mark.parametrize("offset", [0, 1], ids=["aligned", "one element into its storage"])
+def test_block_swap_moves_the_blocks_exactly(dtype, shape, offset):
+    """The regrouping copy (as 8-byte words where sizes and alignment allow, else elementwise) and
+    its backward."""
+    storage = torch.randn(math.prod(shape) + 1).to(dtype)
+    x = storage[offset:offset + math.prod(shape)].view(shape)
+    a, b = shape[0], shape[1]
+    expected = x.transpose(0, 1).reshape(b, a, -1)
+    assert torch.equal(expert_parallel._swap_leading(x, a, b), expected)
+    leaf = x.clone().requires_grad_()
+    y = expert_parallel._SwapLeading.apply(leaf, a, b)
+    upstream = torch.randn_like(y)
+    (y * upstream).sum().backward()
+    assert torch.equal(y, expected)
+    assert torch.equal(leaf.grad, upstream.view(b, a, *shape[2:]).transpose(0, 1).reshape(shape))
 
 
 def test_capacity_is_agreed_on_the_host(results):
