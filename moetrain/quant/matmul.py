@@ -6,15 +6,15 @@ are dequantized to fp32 and multiplied in fp32. On CUDA each format of a layer t
 chosen from the rows per expert (R / E, known without waiting for the GPU) by cuda_path:
 
   path                 formats              when
-  triton               all                  few rows per expert (decode), or rows not packed from
-                                            row 0 (capacity layout, several formats in one layer):
-                                            one grouped Triton GEMM that decodes the weights in
-                                            registers (moetrain.quant.kernels), bound by the weight read
+  triton               all                  few rows per expert (SMALL_BATCH_ROWS: decode), or rows
+                                            not packed from row 0 (capacity layout, several formats
+                                            in one layer): one grouped Triton GEMM that decodes the
+                                            weights in registers (moetrain.quant.kernels)
   scaled_grouped_mm    fp8                  many rows, packed: torch._scaled_grouped_mm, per-token x
                                             scales and per-channel w scales, FP8 tensor cores
   dequant+grouped_mm   mxfp4, nvfp4         many rows, packed: FP4 -> bf16 once per call (Triton), then
                                             torch._grouped_mm (bf16); Hopper has no FP4 tensor cores
-  grouped_mm           bf16                 packed: torch._grouped_mm
+  grouped_mm           bf16                 many rows, packed: torch._grouped_mm
   torch                all                  no Triton: per-expert torch._scaled_mm for fp8 and
                                             fp8_block, bf16 matmuls, dequantize-and-multiply for FP4
 fp8_block always takes the Triton GEMM (FP8 dots, scaled per 1x128 x 128x128 block in fp32):
@@ -38,8 +38,13 @@ ACTIVATION_GROUP = {"fp8": 0, "fp8_block": FP8_BLOCK}
 ALIGN = 16  # rows per expert in an FP8 GEMM must be a multiple of this
 
 
-# Rows per expert up to which a GEMM's time is the weight read: stream the weights (Triton GEMM).
-SMALL_BATCH_ROWS = 64
+# Rows per expert up to which the Triton GEMM (weights streamed and decoded in registers) beats
+# torch's grouped GEMMs. Measured on one H200 (notes/h200_2026-11-30/quant_1033/kernels.log, gate
+# projections of the Mixtral and the 64-expert shapes): bf16 and fp8 cross over between 64 and 128
+# rows, the FP4 formats (whose other path first decodes every weight to bf16) between 128 and 512.
+SMALL_BATCH_ROWS = {"bf16": 64, "fp8": 64, "mxfp4": 256, "nvfp4": 256}
+LARGE_BATCH_PATH = {"bf16": "grouped_mm", "fp8": "scaled_grouped_mm", "mxfp4": "dequant+grouped_mm",
+                    "nvfp4": "dequant+grouped_mm"}
 
 
 def cuda_path(fmt: WeightFormat, n: int, k: int, rows_per_expert: float, packed: bool) -> str:
@@ -49,13 +54,8 @@ def cuda_path(fmt: WeightFormat, n: int, k: int, rows_per_expert: float, packed:
     packed = packed and n % 16 == 0 and k % 16 == 0
     if not kernels.available():
         return "grouped_mm" if fmt.name == "bf16" and packed else "torch"
-    large = packed and rows_per_expert > SMALL_BATCH_ROWS
-    if fmt.name == "bf16":
-        return "grouped_mm" if packed else "triton"
-    if fmt.name == "fp8" and large:
-        return "scaled_grouped_mm"
-    if fmt.name in ("mxfp4", "nvfp4") and large:
-        return "dequant+grouped_mm"
+    if packed and fmt.name in LARGE_BATCH_PATH and rows_per_expert > SMALL_BATCH_ROWS[fmt.name]:
+        return LARGE_BATCH_PATH[fmt.name]
     return "triton"
 
 
