@@ -33,6 +33,7 @@ from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from moetrain.moe import moe_layers
+from moetrain.parallel.expert import host_group
 
 
 @dataclass
@@ -64,6 +65,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     Its param_groups hold every parameter and are what schedulers change; the wrapped optimizer's
     groups (only the owned shared parameters under ZeRO-1) take their hyperparameters before each step.
+    Every rank of the world constructs it (on NCCL it creates a Gloo group for host-side flags).
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, model: nn.Module, max_grad_norm: float | None = None,
@@ -83,6 +85,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.rank = dist.get_rank(group)
         self.ranks = dist.get_process_group_ranks(group or dist.group.WORLD)
         self.last_grad_norm: torch.Tensor | None = None
+        # Which shared parameters got a gradient on any rank is agreed on the host: a GPU flag
+        # tensor read back each step would drain the GPU queue before the reduction.
+        self.host_group = host_group(group)
         self.names = {param: name for name, param in model.named_parameters()}
 
         params = [param for param_group in optimizer.param_groups for param in param_group["params"]]
@@ -153,7 +158,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 param.grad.zero_()
 
     @torch.no_grad()
-    def _reduce(self, params: list[nn.Parameter], group, scale: float, communicate: bool = True) -> None:
+    def _reduce(self, params: list[nn.Parameter], group, scale: float, communicate: bool = True,
+                flags_group=None) -> None:
+        """flags_group: a Gloo group with group's ranks to agree on the used flags on the host
+        (None: agree through group itself, on the parameters' device)."""
         if not communicate:  # experts without replicas: only the 1/W of the mean, in place (no copy)
             for param in params:
                 if param.grad is not None:
@@ -161,10 +169,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
             return
         # A parameter unused on some ranks still takes part in the reduction: zeros stand in for
         # its missing gradient; one that no rank used keeps grad None (the optimizer skips it).
-        used = torch.tensor([param.grad is not None for param in params], dtype=torch.int32,
-                            device=params[0].device if params else None)
+        device = torch.device("cpu") if flags_group is not None else (params[0].device if params else None)
+        used = torch.tensor([param.grad is not None for param in params], dtype=torch.int32, device=device)
         if params:
-            dist.all_reduce(used, op=dist.ReduceOp.MAX, group=group)
+            dist.all_reduce(used, op=dist.ReduceOp.MAX, group=flags_group if flags_group is not None else group)
         taking_part = []
         for param, any_rank in zip(params, used.tolist()):
             if any_rank and param.grad is None:
@@ -178,7 +186,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         """Average the gradients as described at the top; once per step (step() calls it if needed)."""
         if self._reduced:
             return
-        self._reduce(self.shared, self.group, 1.0 / self.world_size)
+        self._reduce(self.shared, self.group, 1.0 / self.world_size, flags_group=self.host_group)
         for entry in self.expert_groups:
             self._reduce(entry.params, entry.replica_group, 1.0 / self.world_size, communicate=entry.replicas > 1)
         self._reduced = True
