@@ -12,7 +12,9 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GP
 
 
 def kernel_logits(x, w):
-    """The op itself (router_logits sends more than 16 experts to torch; the op takes up to 64)."""
+    """The op itself (router_logits sends more than 16 experts to torch; the op takes up to 64).
+    Loads the extension first: run alone, no other test has registered the op yet."""
+    ops.load()
     return ops._RouterLogits.apply(x, w)
 
 
