@@ -54,6 +54,13 @@ __device__ inline void load_tile(const float* __restrict__ w, int E, int64_t D, 
   }
 }
 
+// The 8 columns of expert e's tile row that lane works on.
+__device__ inline void tile_columns(const float* tile, int e, int lane, float (&wv)[8]) {
+  const float4 lo = *reinterpret_cast<const float4*>(tile + e * kChunk + lane * 8);
+  const float4 hi = *reinterpret_cast<const float4*>(tile + e * kChunk + lane * 8 + 4);
+  wv[0] = lo.x, wv[1] = lo.y, wv[2] = lo.z, wv[3] = lo.w, wv[4] = hi.x, wv[5] = hi.y, wv[6] = hi.z, wv[7] = hi.w;
+}
+
 template <typename scalar_t, int EP, int TPW>
 __global__ void __launch_bounds__(kWarps * 32) router_forward_kernel(const scalar_t* __restrict__ x,
                                                                      const float* __restrict__ w, int64_t T, int E,
@@ -84,9 +91,8 @@ __global__ void __launch_bounds__(kWarps * 32) router_forward_kernel(const scala
     }
 #pragma unroll
     for (int e = 0; e < EP; ++e) {
-      const float4 lo = *reinterpret_cast<const float4*>(tile + e * kChunk + lane * 8);
-      const float4 hi = *reinterpret_cast<const float4*>(tile + e * kChunk + lane * 8 + 4);
-      const float wv[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
+      float wv[8];
+      tile_columns(tile, e, lane, wv);
 #pragma unroll
       for (int i = 0; i < TPW; ++i)
 #pragma unroll
@@ -130,9 +136,8 @@ __global__ void __launch_bounds__(kWarps * 32) router_grad_x_kernel(const float*
       for (int j = 0; j < 8; ++j) out[i][j] = 0.f;
 #pragma unroll
     for (int e = 0; e < EP; ++e) {
-      const float4 lo = *reinterpret_cast<const float4*>(tile + e * kChunk + lane * 8);
-      const float4 hi = *reinterpret_cast<const float4*>(tile + e * kChunk + lane * 8 + 4);
-      const float wv[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
+      float wv[8];
+      tile_columns(tile, e, lane, wv);
 #pragma unroll
       for (int i = 0; i < TPW; ++i)
 #pragma unroll
@@ -181,6 +186,11 @@ __global__ void router_grad_w_kernel(const float* __restrict__ grad, const scala
     *reinterpret_cast<float4*>(out) = make_float4(acc[e][0], acc[e][1], acc[e][2], acc[e][3]);
     *reinterpret_cast<float4*>(out + 4) = make_float4(acc[e][4], acc[e][5], acc[e][6], acc[e][7]);
   }
+}
+
+// Blocks of kWarps warps, each warp owning tokens_per_warp tokens, to cover T tokens.
+unsigned token_blocks(int64_t T, int tokens_per_warp) {
+  return static_cast<unsigned>((T + kWarps * tokens_per_warp - 1) / (kWarps * tokens_per_warp));
 }
 
 // A tile of EP x kChunk floats is 64 KiB for 64 experts: past the 48 KiB a kernel gets by default.
@@ -235,9 +245,8 @@ at::Tensor router_logits_cuda(const at::Tensor& x_in, const at::Tensor& w_in) {
   AT_DISPATCH_REDUCED_FLOATING_TYPES(x.scalar_type(), "moetrain_router_logits", [&] {
     with_experts(E, [&](auto ep, auto tpw) {
       constexpr int EP = decltype(ep)::value, TPW = decltype(tpw)::value;
-      const int64_t blocks = (T + kWarps * TPW - 1) / (kWarps * TPW);
       auto kernel = router_forward_kernel<scalar_t, EP, TPW>;
-      kernel<<<static_cast<unsigned>(blocks), kWarps * 32, tile_bytes(kernel, EP), c10::cuda::getCurrentCUDAStream()>>>(
+      kernel<<<token_blocks(T, TPW), kWarps * 32, tile_bytes(kernel, EP), c10::cuda::getCurrentCUDAStream()>>>(
           x.data_ptr<scalar_t>(), w.data_ptr<float>(), T, static_cast<int>(E), D, logits.data_ptr<float>());
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     });
@@ -264,9 +273,8 @@ std::tuple<at::Tensor, at::Tensor> router_logits_backward_cuda(const at::Tensor&
       if (T > 0) {
         with_experts(E, [&](auto ep, auto tpw) {
           constexpr int EP = decltype(ep)::value, TPW = decltype(tpw)::value;
-          const int64_t blocks = (T + kWarps * TPW - 1) / (kWarps * TPW);
           auto kernel = router_grad_x_kernel<scalar_t, EP, TPW>;
-          kernel<<<static_cast<unsigned>(blocks), kWarps * 32, tile_bytes(kernel, EP), stream>>>(
+          kernel<<<token_blocks(T, TPW), kWarps * 32, tile_bytes(kernel, EP), stream>>>(
               grad.data_ptr<float>(), w.data_ptr<float>(), T, static_cast<int>(E), D, grad_x.data_ptr<scalar_t>());
           C10_CUDA_KERNEL_LAUNCH_CHECK();
         });
