@@ -29,6 +29,10 @@ TORCH_LIBRARY(moetrain, m) {
   m.def("router_logits(Tensor x, Tensor w) -> Tensor");
   m.def("router_logits_backward(Tensor grad, Tensor x, Tensor w, bool x_grad, bool w_grad) -> (Tensor, Tensor)");
   m.def("bias_act_(Tensor(a!) y, Tensor bias, int rows_per_expert, bool relu) -> Tensor(a!)");
+  // Its backward in one pass: grad_in = grad where out > 0 else 0 (threshold_backward(grad, out, 0));
+  // out=None means identity and grad_in is grad itself. When bias_grad, grad_bias [E, O] in grad's
+  // dtype = sum of grad_in over each expert's rows, accumulated in fp32 (fp64 for fp64); else empty.
+  m.def("bias_act_backward(Tensor grad, Tensor? out, int rows_per_expert, bool bias_grad) -> (Tensor, Tensor)");
 }
 
 // Importing moetrain._C registers the operators above; the module itself has no functions.

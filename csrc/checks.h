@@ -4,6 +4,9 @@
 
 #include <ATen/core/Tensor.h>
 #include <c10/util/Exception.h>
+#include <c10/util/accumulate.h>
+
+#include <optional>
 
 namespace moetrain {
 
@@ -35,6 +38,30 @@ inline int64_t check_bias_act(const at::Tensor& y, const at::Tensor& bias, int64
               ", got ", bias.scalar_type());
   TORCH_CHECK(bias.device() == y.device(), "bias_act_: bias must be on ", y.device(), ", got ", bias.device());
   return rows;
+}
+
+// bias_act_backward: grad [..., O] with experts * rows_per_expert rows, of a floating dtype; out, when
+// given, the forward's output of grad's shape, dtype and device. Returns the number of experts.
+inline int64_t check_bias_act_backward(const at::Tensor& grad, const std::optional<at::Tensor>& out,
+                                       int64_t rows_per_expert) {
+  const auto dtype = grad.scalar_type();
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kDouble || dtype == at::kHalf || dtype == at::kBFloat16,
+              "bias_act_backward: grad must be float32, float64, float16 or bfloat16, got ", dtype);
+  TORCH_CHECK(grad.dim() >= 1, "bias_act_backward: grad must be [..., O], got a 0-d tensor");
+  TORCH_CHECK(rows_per_expert > 0, "bias_act_backward: rows_per_expert must be positive, got ", rows_per_expert);
+  // Rows from the leading sizes, not numel / O: an empty last dimension still has its rows.
+  const int64_t rows = c10::multiply_integers(grad.sizes().begin(), grad.sizes().end() - 1);
+  TORCH_CHECK(rows % rows_per_expert == 0, "bias_act_backward: grad has ", rows,
+              " rows, not a multiple of rows_per_expert=", rows_per_expert);
+  if (out.has_value()) {
+    TORCH_CHECK(out->sizes() == grad.sizes(), "bias_act_backward: out must have grad's shape ", grad.sizes(), ", got ",
+                out->sizes());
+    TORCH_CHECK(out->scalar_type() == dtype, "bias_act_backward: out must have grad's dtype ", dtype, ", got ",
+                out->scalar_type());
+    TORCH_CHECK(out->device() == grad.device(), "bias_act_backward: out must be on ", grad.device(), ", got ",
+                out->device());
+  }
+  return rows / rows_per_expert;
 }
 
 }  // namespace moetrain

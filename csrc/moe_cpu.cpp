@@ -219,10 +219,59 @@ at::Tensor& bias_act_cpu(at::Tensor& y, const at::Tensor& bias, int64_t rows_per
   return y;
 }
 
+// bias_act_backward: grad_in = threshold_backward(grad, out, 0) (or grad itself without out) and the
+// bias gradient, each expert's column sums of grad_in, in the same pass. A task is one expert times
+// one block of columns, so each bias-gradient value is summed by one thread, in row order.
+std::tuple<at::Tensor, at::Tensor> bias_act_backward_cpu(const at::Tensor& grad, const std::optional<at::Tensor>& out,
+                                                         int64_t rows_per_expert, bool bias_grad) {
+  const int64_t experts = moetrain::check_bias_act_backward(grad, out, rows_per_expert);
+  const bool relu = out.has_value();
+  if (!bias_grad) return {relu ? at::threshold_backward(grad, *out, 0) : grad, at::empty({0}, grad.options())};
+  const int64_t dim = grad.size(-1);
+  auto grad_bias = at::empty({experts, dim}, grad.options());
+  const auto g = grad.contiguous();
+  const auto o = relu ? out->contiguous() : at::Tensor();
+  auto grad_in = relu ? at::empty_like(g) : grad;
+  // Columns per task: a block of rows this wide streams through the cache while its sums stay in L1.
+  constexpr int64_t kColumns = 256;
+  const int64_t column_blocks = (dim + kColumns - 1) / kColumns;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, g.scalar_type(), "moetrain_bias_act_backward_cpu", [&] {
+    using acc_t = at::opmath_type<scalar_t>;
+    const scalar_t* grad_p = g.data_ptr<scalar_t>();
+    const scalar_t* out_p = relu ? o.data_ptr<scalar_t>() : nullptr;
+    scalar_t* grad_in_p = relu ? grad_in.data_ptr<scalar_t>() : nullptr;
+    scalar_t* grad_bias_p = grad_bias.data_ptr<scalar_t>();
+    at::parallel_for(0, experts * column_blocks, grain_rows(rows_per_expert * kColumns), [&](int64_t begin, int64_t end) {
+      acc_t sum[kColumns];
+      for (int64_t task = begin; task < end; ++task) {
+        const int64_t expert = task / column_blocks;
+        const int64_t first_column = task % column_blocks * kColumns;
+        const int64_t width = std::min(kColumns, dim - first_column);
+        std::fill(sum, sum + width, acc_t(0));
+        for (int64_t r = expert * rows_per_expert; r < (expert + 1) * rows_per_expert; ++r) {
+          const int64_t base = r * dim + first_column;
+          for (int64_t j = 0; j < width; ++j) {
+            scalar_t value = grad_p[base + j];
+            if (relu) {
+              // threshold_backward(grad, out, 0): zero where out <= 0; a NaN out lets grad through.
+              if (static_cast<acc_t>(out_p[base + j]) <= acc_t(0)) value = scalar_t(0);
+              grad_in_p[base + j] = value;
+            }
+            sum[j] += static_cast<acc_t>(value);
+          }
+        }
+        for (int64_t j = 0; j < width; ++j) grad_bias_p[expert * dim + first_column + j] = static_cast<scalar_t>(sum[j]);
+      }
+    });
+  });
+  return {grad_in, grad_bias};
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(moetrain, CPU, m) {
   m.impl("bias_act_", &bias_act_cpu);
+  m.impl("bias_act_backward", &bias_act_backward_cpu);
   m.impl("route", &route_cpu);
   m.impl("dispatch", &dispatch_cpu);
   m.impl("combine", &combine_cpu);

@@ -6,6 +6,8 @@ from torch itself here. Shape letters as in moetrain/moe/routing.py.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 
@@ -56,6 +58,18 @@ def bias_act(y_RO: torch.Tensor, b_EO: torch.Tensor, rows_per_expert: int, relu:
     num_experts, out_dim = b_EO.shape
     out = (y_RO.view(num_experts, rows_per_expert, out_dim) + b_EO.unsqueeze(1)).view_as(y_RO)
     return torch.relu(out) if relu else out
+
+
+def bias_act_backward(grad_RO: torch.Tensor, out_RO: torch.Tensor | None, rows_per_expert: int, bias_grad: bool):
+    """(grad_in, grad_bias) of bias_act from the forward's output (out=None: identity). grad_bias [E, O]
+    sums each expert's rows of grad_in in fp32 (fp64 for fp64) and rounds once; empty without bias_grad."""
+    grad_in_RO = grad_RO if out_RO is None else torch.ops.aten.threshold_backward(grad_RO, out_RO, 0)
+    if not bias_grad:
+        return grad_in_RO, grad_RO.new_empty(0)
+    out_dim = grad_RO.size(-1)
+    rows = math.prod(grad_RO.shape[:-1])
+    grad_in_ECO = grad_in_RO.reshape(rows // rows_per_expert, rows_per_expert, out_dim)
+    return grad_in_RO, grad_in_ECO.sum(1, dtype=opmath_dtype(grad_RO.dtype)).to(grad_RO.dtype)
 
 
 def router_logits(x_TD: torch.Tensor, w_ED: torch.Tensor) -> torch.Tensor:
