@@ -3,7 +3,8 @@
 The old path is two ATen passes (threshold_backward, then the per-expert sum over rows that reads
 the result again); the new one is torch.ops.moetrain.bias_act_backward. Each call is timed alone with
 CUDA events after warm-up; the figure is the median. GB/s counts the bytes a single pass must move
-(ReLU: read grad and out, write grad_in; identity: read grad), against ~4.3 TB/s of copy bandwidth.
+(ReLU: read grad and out, write grad_in; identity: read grad), against ~4.3 TB/s of copy bandwidth
+and against a plain copy of grad timed in the same run.
 A failing row prints its error and the next row runs.
 """
 
@@ -68,6 +69,11 @@ def bench_shape(experts: int, capacity: int, dim: int, relu: bool, iters: int) -
     old_ms = median_ms(lambda: old_bias_sum(old_threshold(grad_RO, out_RO) if relu else grad_RO, capacity), iters)
     new_ms = median_ms(lambda: op(grad_RO, out_RO, capacity, True), iters)
 
+    # The card's streaming rate in the same run, for scale: a plain copy of grad (read + write).
+    copy_RO = torch.empty_like(grad_RO)
+    copy_ms = median_ms(lambda: copy_RO.copy_(grad_RO), iters)
+    copy_rate = 2 * grad_RO.numel() * grad_RO.element_size() / (copy_ms * 1e-3)
+
     moved = rows * dim * grad_RO.element_size() * (3 if relu else 1)
     new_rate = moved / (new_ms * 1e-3)
     return (f"{rows:>6}x{dim:<6} E={experts:<3} {'relu' if relu else 'ident':<5} | {threshold_ms:7.3f} {sum_ms:7.3f} "
@@ -83,7 +89,7 @@ def main() -> None:
     ops.load()
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, bf16, median of {args.iters}, ms")
     print(f"{'[E*C, O]':<19} {'act':<5} | {'thresh':>7} {'sum':>7} {'old':>7} | {'new':>7} {'gain':>6} | "
-          f"{'new rate':>11} {'of peak':>7} | check")
+          f"{'new rate':>11} {'of peak':>7} | {'copy rate':>14} | check")
     for experts, capacity, dim in SHAPES:
         for relu in (True, False):
             try:
