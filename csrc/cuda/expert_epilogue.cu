@@ -59,9 +59,9 @@ __global__ void bias_act_kernel(scalar_t* __restrict__ y, const scalar_t* __rest
   }
 }
 
-at::Tensor& bias_act_cuda(at::Tensor& y, const at::Tensor& bias, int64_t rows_per_expert, bool relu) {
+void bias_act_cuda(at::Tensor& y, const at::Tensor& bias, int64_t rows_per_expert, bool relu) {
   check_bias_act(y, bias, rows_per_expert);
-  if (y.numel() == 0) return y;
+  if (y.numel() == 0) return;
   const c10::cuda::CUDAGuard guard(y.device());
   const auto b = bias.contiguous();
   const int64_t dim = y.size(-1);
@@ -93,17 +93,18 @@ at::Tensor& bias_act_cuda(at::Tensor& y, const at::Tensor& bias, int64_t rows_pe
       with_width(std::false_type{});
     }
   });
-  return y;
 }
 
 // ---------------------------------------------------------------------------------------------
-// Backward. A block is kColumnThreads column vectors (threadIdx.x) times kBlockThreads /
-// kColumnThreads row lanes (threadIdx.y) and owns one column tile of one chunk of one expert's rows.
+// Backward. A block of kBlockThreads is up to 32 column vectors (threadIdx.x) times row lanes
+// (threadIdx.y) and owns one column tile of one chunk of one expert's rows (plan_backward below).
 
 constexpr int kBlockThreads = 256;
-// Rows a thread loads before it uses any of them, so that enough bytes are in flight to reach the
-// memory bandwidth with a few blocks per SM.
-constexpr int kRowsInFlight = 4;
+// Loads a thread issues before it uses any of them: 4 x 16 bytes, so that 4 resident blocks per SM
+// keep enough bytes in flight for the memory bandwidth. For ReLU that is 2 rows of grad and out (4
+// rows would take 128 registers and halve the resident blocks: no more bytes in flight per SM).
+template <bool RELU>
+constexpr int kRowsInFlight = RELU ? 2 : 4;
 
 // x <= 0 as torch compares (false for NaN), read from the sign and magnitude bits: the build's
 // --use_fast_math flushes subnormals in float comparisons, which would zero the gradient where the
@@ -147,11 +148,11 @@ __global__ void __launch_bounds__(kBlockThreads)
 #pragma unroll
   for (int j = 0; j < VEC; ++j) sum[j] = acc_t(0);
   if (active) {
-    for (int64_t row = first + threadIdx.y; row < end; row += lanes * kRowsInFlight) {
-      V g[kRowsInFlight];
-      V o[kRowsInFlight];
+    for (int64_t row = first + threadIdx.y; row < end; row += lanes * kRowsInFlight<RELU>) {
+      V g[kRowsInFlight<RELU>];
+      [[maybe_unused]] V o[kRowsInFlight<RELU>];
 #pragma unroll
-      for (int u = 0; u < kRowsInFlight; ++u) {
+      for (int u = 0; u < kRowsInFlight<RELU>; ++u) {
         const int64_t r = row + u * lanes;
         if (r < end) {
           g[u] = grad_v[r * vectors_per_row + column];
@@ -159,7 +160,7 @@ __global__ void __launch_bounds__(kBlockThreads)
         }
       }
 #pragma unroll
-      for (int u = 0; u < kRowsInFlight; ++u) {
+      for (int u = 0; u < kRowsInFlight<RELU>; ++u) {
         const int64_t r = row + u * lanes;
         if (r < end) {
           if constexpr (RELU) {
