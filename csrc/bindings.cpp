@@ -21,14 +21,15 @@ TORCH_LIBRARY(moetrain, m) {
   // Backward of combine: grad_buf[dest[t, k]] = weight[t, k] * grad_y[t] (zero elsewhere) and,
   // when weight_grad, grad_weight[t, k] = <grad_y[t], buf[dest[t, k]]>.
   m.def("combine_backward(Tensor grad_y, Tensor buf, Tensor dest, Tensor weight, int num_rows, bool weight_grad) -> (Tensor, Tensor)");
-  // Expert epilogue of the padded layout, in place: y[r] = act(y[r] + bias[r / rows_per_expert]),
-  // act = relu or identity; y contiguous [..., O] with E * rows_per_expert rows, bias [E, O] of y's dtype.
   // Router logits in fp32 from 16-bit activations without an fp32 copy of them (CUDA only):
   // float(x [T, D]) @ w [E, D]^T -> [T, E] float32, E <= 64, D % 8 == 0; and its backward
   // (grad_x in x's dtype, grad_w float32; each computed only when asked for).
   m.def("router_logits(Tensor x, Tensor w) -> Tensor");
   m.def("router_logits_backward(Tensor grad, Tensor x, Tensor w, bool x_grad, bool w_grad) -> (Tensor, Tensor)");
-  m.def("bias_act_(Tensor(a!) y, Tensor bias, int rows_per_expert, bool relu) -> Tensor(a!)");
+  // Expert epilogue of the padded layout, in place: y[r] = act(y[r] + bias[r / rows_per_expert]),
+  // act = relu or identity; y contiguous [..., O] with E * rows_per_expert rows, bias [E, O] of y's dtype.
+  // Returns nothing: an output aliasing y would keep torch.compile from functionalising the op.
+  m.def("bias_act_(Tensor(a!) y, Tensor bias, int rows_per_expert, bool relu) -> ()");
   // Its backward in one pass: grad_in = grad where out > 0 else 0 (threshold_backward(grad, out, 0));
   // out=None means identity and grad_in is grad itself. When bias_grad, grad_bias [E, O] in grad's
   // dtype = sum of grad_in over each expert's rows, accumulated in fp32 (fp64 for fp64); else empty.

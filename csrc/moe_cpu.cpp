@@ -196,7 +196,7 @@ std::tuple<at::Tensor, at::Tensor> combine_backward_cpu(const at::Tensor& grad_y
 // bias_act_: y[r] = act(y[r] + bias[r / rows_per_expert]) in place (the padded layout's expert
 // epilogue), one pass over y instead of a broadcasting add and an activation pass.
 
-at::Tensor& bias_act_cpu(at::Tensor& y, const at::Tensor& bias, int64_t rows_per_expert, bool relu) {
+void bias_act_cpu(at::Tensor& y, const at::Tensor& bias, int64_t rows_per_expert, bool relu) {
   const int64_t rows = moetrain::check_bias_act(y, bias, rows_per_expert);
   const int64_t dim = y.size(-1);
   const auto b = bias.contiguous();
@@ -216,7 +216,6 @@ at::Tensor& bias_act_cpu(at::Tensor& y, const at::Tensor& bias, int64_t rows_per
       }
     });
   });
-  return y;
 }
 
 // bias_act_backward: grad_in = threshold_backward(grad, out, 0) (or grad itself without out) and the

@@ -9,6 +9,9 @@ one run, the useful expert TFLOP/s of
   gemms alone        only the layer's six expert GEMMs (two forward, four backward) as batched
                      matmuls on its capacity blocks: a bound no MoE layer of that shape passes
   dense              one 8192^3 GEMM in the same dtype: the ceiling
+  compiled           (with --compile MODE) torch.compile(MoELayer): the same layer as one traced
+                     graph, the host's per-op cost gone (MODE reduce-overhead also replays it as a
+                     CUDA graph); compile time is not counted
 with each figure's fraction of the ceiling and moetrain's ratio to the grouped_mm baseline.
 The ceiling is a short burst; a layer's GEMMs run for seconds, and a large one (mixtral) draws
 enough power for the card to lower its clocks, so "gemms alone" is the bound that shape can reach.
@@ -81,6 +84,7 @@ CPU_SHAPES = {
     )
 }
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune-no-cudagraphs")
 
 
 # ---- the two baselines, on the MoE layer's own parameters so that every column does the same arithmetic
@@ -235,7 +239,7 @@ def profile_table(step: Callable[[], None], device: torch.device, rows: int = 15
 
 
 def bench_shape(shape: Shape, device: torch.device, dtype: torch.dtype, capacity_factor: float, warmup: int,
-                steps: int, profile: bool = False) -> dict:
+                steps: int, profile: bool = False, compile_mode: str | None = None) -> dict:
     """Median step time and TFLOP/s of every implementation on one shape, same inputs for all."""
     torch.manual_seed(1)
     x_TD = torch.randn(shape.tokens, shape.model_dim, device=device, dtype=dtype, requires_grad=True)
@@ -251,10 +255,18 @@ def bench_shape(shape: Shape, device: torch.device, dtype: torch.dtype, capacity
         torch_layer.load_state_dict(layer.state_dict())
         columns["moetrain_torch"] = torch_layer
     columns["naive"] = lambda x: naive_moe(layer, x)
+    if compile_mode is not None:
+        torch._dynamo.reset()  # each shape traces afresh
+        columns["compiled"] = torch.compile(layer, mode=None if compile_mode == "default" else compile_mode)
     result = {"shape": asdict(shape), "capacity_factor": capacity_factor}
     for name, fn in columns.items():
         fn_params = list(fn.parameters()) if name in ("moetrain_torch", "grouped_mm") else params
-        ms = _time_steps(_forward_backward(fn, x_TD, fn_params), device, warmup, steps)
+        step = _forward_backward(fn, x_TD, fn_params)
+        if name == "compiled":
+            begin = time.perf_counter()
+            step()  # traces and compiles: not timed
+            result["compile_s"] = time.perf_counter() - begin
+        ms = _time_steps(step, device, warmup, steps)
         result[name] = {"ms": ms, "tflops": shape.useful_flops() / (ms * 1e-3) / 1e12}
     if device.type == "cuda":
         ms = _time_steps(gemms_alone(layer, shape, x_TD), device, warmup, steps)
@@ -289,6 +301,12 @@ def gpu_table(results: list[dict], ceiling: float) -> str:
         )
     lines.append(f"useful expert TFLOP/s, forward + backward; dense GEMM ceiling {ceiling:.0f} TFLOP/s; "
                  "gemms = the expert GEMMs alone (the bound)")
+    compiled = [r for r in results if "compiled" in r]
+    if compiled:
+        lines.append("torch.compile(layer): " + "; ".join(
+            f"{r['shape']['name']} {r['compiled']['tflops']:.0f} TFLOP/s ({r['compiled']['tflops'] / ceiling:.0%}, "
+            f"{r['compiled']['tflops'] / r['grouped_mm']['tflops'] if 'grouped_mm' in r else float('nan'):.2f}x grouped, "
+            f"compiled in {r['compile_s']:.0f} s)" for r in compiled))
     return "\n".join(lines)
 
 
@@ -300,6 +318,11 @@ def cpu_table(results: list[dict]) -> str:
         lines.append(f"{r['shape']['name']:<12} {kernel:10.1f} {torch_path:9.1f} {naive:9.1f}   "
                      f"{torch_path / kernel:11.2f}x {naive / kernel:11.2f}x")
     lines.append("median step time, forward + backward; ratios > 1 mean the kernel path is faster")
+    compiled = [r for r in results if "compiled" in r]
+    if compiled:
+        lines.append("torch.compile(layer): " + "; ".join(
+            f"{r['shape']['name']} {r['compiled']['ms']:.1f} ms ({r['moetrain']['ms'] / r['compiled']['ms']:.2f}x eager)"
+            for r in compiled))
     return "\n".join(lines)
 
 
@@ -314,6 +337,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--steps", type=int, default=None, help="timed steps (default 20 on GPU, 10 on CPU)")
     parser.add_argument("--json", default=None, metavar="PATH", help="also write the results as JSON")
     parser.add_argument("--profile", action="store_true", help="print the kernels of the moetrain column's step")
+    parser.add_argument("--compile", default=None, metavar="MODE", choices=COMPILE_MODES,
+                        help=f"add a column for torch.compile(layer) in this mode ({', '.join(COMPILE_MODES)})")
     parser.add_argument("--threads", type=int, default=None,
                         help="CPU threads for torch and the C++ kernels (default: torch's); 1 is steadiest on a busy machine")
     args = parser.parse_args(argv)
@@ -346,7 +371,8 @@ def main(argv: list[str] | None = None) -> dict:
     if device.type == "cuda":
         report["dense_tflops"] = dense_ceiling(device, dtype)
     for name in names:
-        result = bench_shape(known[name], device, dtype, args.capacity_factor, args.warmup, steps, args.profile)
+        result = bench_shape(known[name], device, dtype, args.capacity_factor, args.warmup, steps, args.profile,
+                             args.compile)
         report["results"].append(result)
         print(f"{name}: " + ", ".join(f"{k} {v['ms']:.2f} ms" for k, v in result.items() if isinstance(v, dict)
                                       and "ms" in v), flush=True)

@@ -93,6 +93,8 @@ class MoELayer(nn.Module):
             raise ValueError(f"num_shared_experts must be an integer >= 0, got {num_shared_experts!r}")
         activation_fn(activation)
         self.impl = ops.check_impl(impl)
+        if self.impl == "kernel":
+            ops.load()  # now, not inside the first (possibly compiled) forward: fails early if unavailable
         self.batch_prioritized = bool(batch_prioritized)
         self.balance_loss_weight = float(balance_loss_weight)
         self.z_loss_weight = float(z_loss_weight)
@@ -140,7 +142,10 @@ class MoELayer(nn.Module):
 
         # Routers compute in fp32 (Switch Transformer's selective precision), under autocast too:
         # a bf16 router matmul would flip near-tied choices.
-        with torch.autocast(x_TD.device.type, enabled=False):
+        if torch.is_autocast_enabled(x_TD.device.type):
+            with torch.autocast(x_TD.device.type, enabled=False):
+                routed = self.gate(x_TD, top_k)
+        else:
             routed = self.gate(x_TD, top_k)
         plan = make_plan(routed.topk_idx_TK, routed.topk_weight_TK, self.num_experts, cf, self.batch_prioritized, self.impl)
         buf_RD = ops.dispatch(x_TD, plan.dest_TK, plan.num_rows, impl=self.impl)
@@ -151,7 +156,9 @@ class MoELayer(nn.Module):
 
         # The plan already counts the choices per expert (before dropping): the balance loss's f_e.
         balance = losses.balance_loss(routed.probs_TE, plan.load_E, routed.topk_idx_TK.numel())
-        self.aux_loss = self.balance_loss_weight * balance
+        # Weight 1 (the default) returns the loss itself: torch.compile (torch 2.14's inductor) failed
+        # in backward when a graph returned both `1.0 * balance` and `balance.detach()`.
+        self.aux_loss = balance if self.balance_loss_weight == 1.0 else self.balance_loss_weight * balance
         z = None
         if self.z_loss_weight:  # otherwise computed only if someone reads stats.z_loss
             z = losses.z_loss(routed.logits_TE)

@@ -24,8 +24,8 @@ def choice_counts(topk_idx_TK: torch.Tensor, num_experts: int, dtype: torch.dtyp
 def balance_loss(probs_TE: torch.Tensor, counts_E: torch.Tensor, num_choices: int) -> torch.Tensor:
     """counts_E: routing choices per expert (choice_counts, or a routing plan's load), of num_choices."""
     num_experts = probs_TE.size(-1)
-    fraction_E = counts_E.to(probs_TE.dtype) / num_choices
-    return num_experts * torch.dot(fraction_E, probs_TE.mean(0))
+    # E * sum_e (counts_e / num_choices) * mean_t probs[t, e], with the constants folded into one scale.
+    return torch.dot(counts_E.to(probs_TE.dtype), probs_TE.mean(0)) * (num_experts / num_choices)
 
 
 def z_loss(logits_TE: torch.Tensor) -> torch.Tensor:

@@ -92,10 +92,10 @@ class _BiasAct(torch.autograd.Function):
     @staticmethod
     def forward(ctx, y_RO, b_EO, rows_per_expert, relu):
         ctx.mark_dirty(y_RO)
-        out_RO = torch.ops.moetrain.bias_act_(y_RO, b_EO, rows_per_expert, relu)
+        torch.ops.moetrain.bias_act_(y_RO, b_EO, rows_per_expert, relu)
         ctx.relu, ctx.rows_per_expert = relu, rows_per_expert
-        ctx.save_for_backward(out_RO if relu else None)
-        return out_RO
+        ctx.save_for_backward(y_RO if relu else None)
+        return y_RO  # the input itself (torch.compile requires it of an in-place Function)
 
     @staticmethod
     def backward(ctx, grad_RO):

@@ -94,6 +94,9 @@ def load() -> types.ModuleType:
                 "to use the pure-torch path."
             )
             raise ExtensionUnavailable(_error) from build_error
+    from moetrain.ops import fake
+
+    fake.register()  # so that torch.compile traces through the operators
     if torch.cuda.is_available() and not getattr(_module, "has_cuda", False):
         log.warning("moetrain: the kernels were built without CUDA; CUDA tensors need impl='torch' or a CUDA build")
     return _module

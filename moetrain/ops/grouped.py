@@ -76,7 +76,8 @@ def _choose(backend: str, x_RI: torch.Tensor, w_EIO: torch.Tensor, padded: bool)
             ok, why = grouped_mm_supported(x_RI, w_EIO)
             backend = "grouped_mm" if ok else "loop"
         key = (backend, why)
-        if key not in _logged:
+        # Logging inside a torch.compile trace would split the graph; eager calls log the choice.
+        if key not in _logged and not torch.compiler.is_compiling():
             _logged.add(key)
             log.info("moetrain: expert GEMMs use %s (%s)", backend, why)
     elif backend == "bmm" and not padded:
