@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from moetrain import MoELayer, net
-from moetrain.parallel import parallelize, spawn
+from moetrain.parallel import DistributedOptimizer, parallelize, spawn
 from moetrain.parallel import expert as expert_parallel
 
 WORLD = 2
@@ -91,7 +91,8 @@ def _compare_layer(results: dict, tag: str, layer: MoELayer, rank: int, calls: l
         ref_out.append(y.detach())
         ref_x_grad.append(leaf.grad)
         ref_router_grad.append(reference.gate.weight_ED.grad.clone())
-    # Expert gradients: every rank's tokens reach the experts, so the sum over both runs.
+    # Expert gradients: every rank's tokens reach the experts, so the sum over both runs, which
+    # the strategy divides by the world size on the way (the optimizer's mean over ranks).
     ref_expert_grads = {name: torch.zeros_like(param) for name, param in reference.experts.named_parameters()}
     for x, g in zip(xs, gs):
         for name, grad in zip(ref_expert_grads, torch.autograd.grad(
@@ -115,9 +116,16 @@ def _compare_layer(results: dict, tag: str, layer: MoELayer, rank: int, calls: l
             if call.get("adaptive_r", 1) > 1:  # each replica holds its hidden slice's part: sum them
                 grad = grad.clone()
                 dist.all_reduce(grad)
-            errors.append(_max_diff(grad, ref_expert_grads[name][strategy.layout.local_slice]))
+            errors.append(_max_diff(grad, ref_expert_grads[name][strategy.layout.local_slice] / WORLD))
         results[f"{tag} degree {degree}: vs one process"] = max(errors)
         results[f"{tag} degree {degree}: vs degree 1"] = _max_diff(y, outputs[1])
+    # The optimizer's reduction of the last degree's gradients: the mean of both ranks' gradients
+    # (with replicas, each replica holds its slice's part until the replicas are summed).
+    optimizer = DistributedOptimizer(torch.optim.SGD(layer.parameters(), lr=0.1), layer)
+    optimizer.reduce_gradients()
+    results[f"{tag}: reduced expert gradients"] = max(
+        _max_diff(param.grad, ref_expert_grads[name][strategy.layout.local_slice] / WORLD)
+        for name, param in layer.experts.named_parameters())
 
 
 def worker(rank: int, world: int, out_dir: str) -> None:
@@ -162,6 +170,15 @@ def test_overlap_degrees_match_one_process(results, tag, degree):
         assert len(errors) == 2 and max(errors.values()) <= LIMIT, errors
         # One dispatch and one return exchange per chunk.
         assert rank_results[f"{tag} degree {degree}: exchanges"] == 2 * degree
+
+
+@pytest.mark.parametrize("tag", ["padded", "hidden split"])
+def test_optimizer_reduces_expert_gradients_to_the_mean(results, tag):
+    """Expert gradients arrive divided by the world size (scaled inside the experts' backward); the
+    optimizer sums replicas and must not scale them again."""
+    _, per_rank = results
+    for rank_results in per_rank:
+        assert rank_results[f"{tag}: reduced expert gradients"] <= LIMIT
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

@@ -11,8 +11,10 @@ single-process update on the mean of all ranks' losses (the DDP convention):
   shared parameters (attention, embeddings, routers, shared experts, and routed experts that
       are not sharded): gradients averaged over all ranks;
   sharded expert parameters: the expert-parallel all-to-all already brought every rank's
-      contribution to the rank holding the expert, so gradients are only summed over the
-      replicas of the same expert (none when experts >= ranks) and divided by the rank count;
+      contribution to the rank holding the expert, and the strategy divided it by the rank count
+      on the way (moetrain.parallel.expert scales the gradient as it enters the experts' backward,
+      not in a pass over every expert weight gradient here), so gradients are only summed over
+      the replicas of the same expert (none when experts >= ranks);
   max_grad_norm: clips by the global norm, each expert counted once however many replicas;
   zero=True (ZeRO-1): each shared parameter's optimizer state lives on one rank, which updates
       it and broadcasts the new values; expert parameters keep their state where they live;
@@ -55,7 +57,8 @@ def _all_reduce_coalesced(tensors: list[torch.Tensor], group, scale: float) -> N
     for bucket in _by_dtype(tensors):
         flat = _flatten_dense_tensors(bucket)
         dist.all_reduce(flat, group=group)
-        flat.mul_(scale)
+        if scale != 1.0:
+            flat.mul_(scale)
         for tensor, reduced in zip(bucket, _unflatten_dense_tensors(flat, bucket)):
             tensor.copy_(reduced)
 
@@ -158,15 +161,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 param.grad.zero_()
 
     @torch.no_grad()
-    def _reduce(self, params: list[nn.Parameter], group, scale: float, communicate: bool = True,
-                flags_group=None) -> None:
+    def _reduce(self, params: list[nn.Parameter], group, scale: float, flags_group=None) -> None:
         """flags_group: a Gloo group with group's ranks to agree on the used flags on the host
         (None: agree through group itself, on the parameters' device)."""
-        if not communicate:  # experts without replicas: only the 1/W of the mean, in place (no copy)
-            for param in params:
-                if param.grad is not None:
-                    param.grad.mul_(scale)
-            return
         # A parameter unused on some ranks still takes part in the reduction: zeros stand in for
         # its missing gradient; one that no rank used keeps grad None (the optimizer skips it).
         device = torch.device("cpu") if flags_group is not None else (params[0].device if params else None)
@@ -187,8 +184,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if self._reduced:
             return
         self._reduce(self.shared, self.group, 1.0 / self.world_size, flags_group=self.host_group)
+        # Expert gradients arrive divided by the world size already (see the top of this file);
+        # without replicas there is nothing left to do.
         for entry in self.expert_groups:
-            self._reduce(entry.params, entry.replica_group, 1.0 / self.world_size, communicate=entry.replicas > 1)
+            if entry.replicas > 1:
+                self._reduce(entry.params, entry.replica_group, 1.0)
         self._reduced = True
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
