@@ -191,6 +191,7 @@ def test_bias_act_backward_block_layout_and_broadcast_grad(device, relu):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("sizes", [(0, 16), (6, 0)], ids=["no_rows", "no_columns"])
 def test_bias_act_backward_empty(device, sizes):
+    ops.load()
     grad = torch.randn(sizes, device=device)
     got_in, got_b = torch.ops.moetrain.bias_act_backward(grad, torch.randn(sizes, device=device), 3, True)
     assert got_in.shape == grad.shape and got_b.shape == (sizes[0] // 3, sizes[1])
