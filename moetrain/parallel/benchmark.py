@@ -132,6 +132,9 @@ def _profile_step(model, optimizer, args, **call) -> dict:
     reports during it."""
     x_TD = _tokens(args)
     marks = [torch.cuda.Event(enable_timing=True) for _ in range(4)]
+    # The timed steps leave their gradients behind; a backward onto them would add an
+    # accumulation pass over every gradient that no timed step has.
+    optimizer.zero_grad()
     torch.cuda.synchronize()
     with tempfile.TemporaryDirectory() as folder, warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -145,7 +148,6 @@ def _profile_step(model, optimizer, args, **call) -> dict:
                 loss.backward()
                 marks[2].record()
                 optimizer.step()
-                optimizer.zero_grad()
                 marks[3].record()
             finally:
                 torch.cuda.set_sync_debug_mode("default")
@@ -181,6 +183,31 @@ def _measure(model, optimizer, args, **call) -> dict:
     return row
 
 
+def _time_exchange(args) -> dict:
+    """One [E, C, D] exchange of the benchmark's shape (what each MoE layer sends 4 times a step) on
+    its own: median of 20 all_to_all_single calls, and a local copy of the same buffer for scale."""
+    experts, capacity = args.experts, args.tokens * args.top_k // args.experts
+    x = torch.randn(experts, capacity, args.dim, device="cuda", dtype=torch.bfloat16)
+    out = torch.empty_like(x)
+    timings = {}
+    for name, run in (("all_to_all_ms", lambda: dist.all_to_all_single(out, x)), ("copy_ms", lambda: out.copy_(x))):
+        times = []
+        for step in range(25):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            run()
+            end.record()
+            torch.cuda.synchronize()
+            if step >= 5:
+                times.append(start.elapsed_time(end))
+        timings[name] = statistics.median(times)
+    # Each rank keeps 1/W of the buffer and sends the rest, (W-1)/W of it, to the other ranks.
+    world = dist.get_world_size()
+    timings["sent_gb_per_s"] = x.numel() * x.element_size() * (world - 1) / world / timings["all_to_all_ms"] / 1e6
+    timings["mbytes"] = x.numel() * x.element_size() / 1e6
+    return timings
+
+
 def _single_gpu(args) -> dict:
     model = _build(args)
     return _measure(model, torch.optim.SGD(model.parameters(), lr=1e-6), args)
@@ -192,6 +219,7 @@ def _multi_gpu(rank: int, world: int, args, out_path: str) -> None:
     optimizer = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1e-6), model)
     results = {degree: _run_row(lambda: _measure(model, optimizer, args, a2a_ffn_overlap_degree=degree))
                for degree in args.overlap}
+    results["exchange"] = _run_row(lambda: _time_exchange(args))
     if rank == 0:
         with open(out_path, "w") as file:
             json.dump(results, file)
@@ -223,13 +251,23 @@ def main(argv: list[str] | None = None) -> int:
         try:
             spawn(_multi_gpu, args.gpus, args=(args, out_path), backend="nccl")
             with open(out_path) as file:
-                multi = {int(degree): row for degree, row in json.load(file).items()}
+                multi = json.load(file)
+            exchange = multi.pop("exchange")
+            multi = {int(degree): row for degree, row in multi.items()}
         except Exception as error:  # noqa: BLE001 - still print the one-GPU row
             multi = {degree: {"error": f"{type(error).__name__}: {error}"} for degree in args.overlap}
+            exchange = {"error": f"{type(error).__name__}: {error}"}
 
     rows = [("1 GPU", 1, None, single)] + [(f"{args.gpus} GPUs EP", args.gpus, degree, row) for degree, row in multi.items()]
     report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "config": vars(args), "runs": []}
     _print_table(rows, args, report)
+    report["exchange"] = exchange
+    if "all_to_all_ms" in exchange:
+        print(f"one exchange alone ({exchange['mbytes']:.0f} MB all_to_all_single, median of 20): "
+              f"{exchange['all_to_all_ms']:.3f} ms, {exchange['sent_gb_per_s']:.0f} GB/s sent to the other ranks; "
+              f"a local copy of it {exchange['copy_ms']:.3f} ms")
+    else:
+        print(f"one exchange alone: FAILED {exchange.get('error')}")
     if args.profile:
         _print_profiles(rows)
     print(json.dumps(report))
