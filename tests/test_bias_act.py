@@ -78,6 +78,7 @@ def test_ffn_experts_fused_epilogue_equals_the_torch_path(device, activation):
 # fp32 sums in different orders can have, plus one rounding to the gradient's dtype.
 
 BWD_DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
+BWD_DTYPE_IDS = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.float64: "fp64"}
 INT_VIEW = {2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
@@ -130,7 +131,7 @@ BWD_SHAPES = [(5, 7, 64), (3, 9, 37), (1, 1000, 24), (40, 1, 72), (4, 6, 1)]
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("dtype", BWD_DTYPES, ids=lambda d: str(d).replace("torch.", ""))
+@pytest.mark.parametrize("dtype", BWD_DTYPES, ids=BWD_DTYPE_IDS.get)
 @pytest.mark.parametrize("shape", BWD_SHAPES, ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("relu", [True, False], ids=["relu", "identity"])
 @pytest.mark.parametrize("bias_grad", [True, False], ids=["bias_grad", "no_bias_grad"])
@@ -146,7 +147,7 @@ CUDA_BWD_SHAPES = [(8, 2048, 512), (1, 8192, 64), (3, 5000, 40), (2, 333, 14336)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
-@pytest.mark.parametrize("dtype", BWD_DTYPES, ids=lambda d: str(d).replace("torch.", ""))
+@pytest.mark.parametrize("dtype", BWD_DTYPES, ids=BWD_DTYPE_IDS.get)
 @pytest.mark.parametrize("shape", CUDA_BWD_SHAPES, ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("relu", [True, False], ids=["relu", "identity"])
 def test_bias_act_backward_cuda_large(dtype, shape, relu):
@@ -159,7 +160,7 @@ def test_bias_act_backward_cuda_large(dtype, shape, relu):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=BWD_DTYPE_IDS.get)
 @pytest.mark.parametrize("misaligned", ["grad", "out"])
 def test_bias_act_backward_misaligned_storage(device, dtype, misaligned):
     """A view one element into its storage cannot take 16-byte vectors: the scalar path runs."""
