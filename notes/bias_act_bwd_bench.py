@@ -82,8 +82,8 @@ def bench_shape(experts: int, capacity: int, dim: int, relu: bool, iters: int) -
     new_rate = moved / (new_ms * 1e-3)
     return (f"{rows:>6}x{dim:<6} E={experts:<3} {'relu' if relu else 'ident':<5} | {threshold_ms:7.3f} {sum_ms:7.3f} "
             f"{old_ms:7.3f} | {new_ms:7.3f} {old_ms / new_ms:5.2f}x | {new_rate / 1e9:6.0f} GB/s "
-            f"{100 * new_rate / COPY_BANDWIDTH:6.0f}% | copy {copy_rate / 1e9:4.0f} GB/s | grad_in {'exact' if exact else 'DIFFERS'}, "
-            f"grad_bias rel err {bias_err:.1e}")
+            f"{100 * new_rate / COPY_BANDWIDTH:6.0f}% | copy {copy_rate / 1e9:4.0f} GB/s | "
+            f"grad_in {'exact' if exact else 'DIFFERS'}, grad_bias rel err {bias_err:.1e}")
 
 
 def main() -> None:

@@ -242,8 +242,8 @@ struct BackwardPlan {
 // Chunks per expert: the kernel runs in waves of `resident` blocks that together stream at the
 // memory bandwidth, so its time is about (waves) x (rows one thread walks); more chunks mean shorter
 // walks but more partial sums to write and read back and, past one chunk, a second launch. The
-// count minimising that estimate (in bytes moved) fills the GPU several times for large inputs and
-// takes one chunk when the whole input fits in one wave of short walks.
+// count minimising that estimate (in bytes moved) gives large inputs whole waves (one, or several
+// when the experts' column tiles alone overfill one) and takes one chunk when the walks are short.
 BackwardPlan plan_backward(int64_t experts, int64_t rows_per_expert, int64_t vectors_per_row, int64_t resident,
                            int64_t row_vector_bytes, int64_t partial_vector_bytes) {
   int64_t columns = 1;
@@ -310,15 +310,17 @@ std::tuple<at::Tensor, at::Tensor> bias_act_backward_cuda(const at::Tensor& grad
                                               std::max<int64_t>(1, int64_t(sms) * blocks_per_sm), row_vector_bytes,
                                               VEC * static_cast<int64_t>(sizeof(acc_t)));
       at::Tensor partial;
-      if (plan.chunks > 1) partial = at::empty({experts, plan.chunks, dim}, g.options().dtype(c10::CppTypeToScalarType<acc_t>::value));
+      if (plan.chunks > 1) {
+        partial = at::empty({experts, plan.chunks, dim}, g.options().dtype(c10::CppTypeToScalarType<acc_t>::value));
+      }
       const auto stream = c10::cuda::getCurrentCUDAStream();
       const int64_t blocks = experts * plan.chunks * plan.tiles;
       TORCH_CHECK(blocks <= std::numeric_limits<int>::max(), "bias_act_backward: grad is too large (", blocks,
                   " blocks)");
       kernel<<<static_cast<unsigned>(blocks), plan.block, 0, stream>>>(
-          g.data_ptr<scalar_t>(), RELU ? o.data_ptr<scalar_t>() : nullptr, RELU ? grad_in.data_ptr<scalar_t>() : nullptr,
-          plan.chunks > 1 ? partial.data_ptr<acc_t>() : nullptr, grad_bias.data_ptr<scalar_t>(), per_row,
-          rows_per_expert, plan.rows_per_chunk, plan.chunks, plan.tiles);
+          g.data_ptr<scalar_t>(), RELU ? o.data_ptr<scalar_t>() : nullptr,
+          RELU ? grad_in.data_ptr<scalar_t>() : nullptr, plan.chunks > 1 ? partial.data_ptr<acc_t>() : nullptr,
+          grad_bias.data_ptr<scalar_t>(), per_row, rows_per_expert, plan.rows_per_chunk, plan.chunks, plan.tiles);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
       if (plan.chunks > 1) {
         const int64_t column_tiles = (dim + kFinishColumns - 1) / kFinishColumns;
