@@ -2,7 +2,8 @@
 # Build, check and benchmark the CUDA kernels on one GPU in a single run, from a source checkout:
 #   bash notes/gpu_check.sh OUTDIR [arguments for python -m moetrain.bench]
 # Writes OUTDIR/env.txt, build.log, tests.log, bench.log, bench.json, memcheck.log, diagnose.log.
-# STEPS (default: all) picks a subset, e.g. STEPS="tests bench" bash notes/gpu_check.sh out.
+# STEPS (default: tests bench memcheck diagnose) picks a subset, e.g. STEPS="tests bench" bash notes/gpu_check.sh out;
+# also: compile (bench with the torch.compile column), hostcost (notes/hostcost.py), sustained (notes/sustained.py).
 # Order: what matters most first, so a run cut short still leaves the benchmark.
 set -u
 out=${1:?usage: bash notes/gpu_check.sh OUTDIR [bench arguments]}
@@ -33,7 +34,7 @@ echo "build rc=$? in $((SECONDS - start)) s"; tail -3 "$out/build.log"
 if want tests; then
   echo "== tests"
   timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_cuda_ops.py tests/test_cuda_grouped.py \
-    tests/test_bias_act.py tests/test_router_kernel.py tests/test_bench.py > "$out/tests.log" 2>&1
+    tests/test_bias_act.py tests/test_router_kernel.py tests/test_bench.py tests/test_compile.py > "$out/tests.log" 2>&1
   echo "tests rc=$?"; tail -4 "$out/tests.log"
 fi
 
@@ -41,6 +42,25 @@ if want bench; then
   echo "== bench"
   timeout 240 python3 -m moetrain.bench --json "$out/bench.json" "$@" > "$out/bench.log" 2>&1
   echo "bench rc=$?"
+fi
+
+if want compile; then
+  echo "== bench, torch.compile column"
+  timeout 420 python3 -m moetrain.bench --compile default --shapes "${COMPILE_SHAPES:-switch_top1,gshard_2k}" \
+    --json "$out/bench_compile.json" > "$out/bench_compile.log" 2>&1
+  echo "bench --compile rc=$?"
+fi
+
+if want hostcost; then
+  echo "== host issue time (notes/hostcost.py)"
+  timeout 200 python3 notes/hostcost.py switch_top1 gshard_2k > "$out/hostcost.log" 2>&1
+  echo "hostcost rc=$?"; grep -E "^[a-z_0-9]+: step|torch.compile:" "$out/hostcost.log"
+fi
+
+if want sustained; then
+  echo "== sustained GEMM rate (notes/sustained.py)"
+  timeout 120 python3 notes/sustained.py > "$out/sustained.log" 2>&1
+  echo "sustained rc=$?"; cat "$out/sustained.log"
 fi
 
 if want memcheck; then
@@ -62,4 +82,9 @@ fi
 if want bench; then
   echo "== bench table"
   grep -v "^moetrain: " "$out/bench.log" | tail -9
+fi
+
+if want compile; then
+  echo "== bench table with the torch.compile column"
+  grep -v "^moetrain: " "$out/bench_compile.log" | tail -10 | cut -c1-400
 fi

@@ -43,6 +43,11 @@ def _bias_act_(y, bias, rows_per_expert, relu):
     return None  # in place on y
 
 
+def _bias_act_backward(grad, out, rows_per_expert, bias_grad):
+    experts = grad.numel() // max(1, grad.size(-1)) // rows_per_expert
+    return grad.new_empty(grad.shape), grad.new_empty((experts, grad.size(-1)) if bias_grad else (0,))
+
+
 FAKES = {
     "route": _route,
     "dispatch": _dispatch,
@@ -51,6 +56,7 @@ FAKES = {
     "router_logits": _router_logits,
     "router_logits_backward": _router_logits_backward,
     "bias_act_": _bias_act_,
+    "bias_act_backward": _bias_act_backward,
 }
 
 
