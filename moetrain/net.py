@@ -25,6 +25,11 @@ never blocks). Their backward is split the same way: the backward of exchange_wa
 reverse exchange and the backward of all_to_all_start waits for it, so the autograd engine can run
 other nodes while a gradient travels.
 
+PeerMemoryExchange moves the same data as all_to_all(x, 0, 1) / all_to_all(x, 1, 0) between the
+GPUs of one machine without NCCL: each rank copies its buffer once into memory every rank can read
+(torch's symmetric memory, over NVLink), and each rank reads its pieces from every peer straight
+into their final, regrouped place, so the expert-major regrouping needs no copy of its own.
+
 Hierarchical all-to-all (`TwoLevelGroups`, `hierarchical_all_to_all`) exchanges within a node
 first and across nodes second, so each pair of nodes exchanges one large message instead of
 local_size^2 small ones; it computes exactly what all_to_all_single computes on equal splits.
@@ -32,12 +37,14 @@ local_size^2 small ones; it computes exactly what all_to_all_single computes on 
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 import torch.distributed as dist
 from torch.autograd.function import once_differentiable
 
 __all__ = [
-    "ExchangeInFlight", "TwoLevelGroups", "all_gather", "all_to_all", "all_to_all_single", "all_to_all_start",
+    "ExchangeInFlight", "PeerMemoryExchange", "TwoLevelGroups", "all_gather", "all_to_all", "all_to_all_single", "all_to_all_start",
     "exchange_wait", "get_rank", "get_world_size",
     "hierarchical_all_to_all", "reduce_scatter", "simple_all_reduce", "zero_gather", "zero_scatter",
 ]
@@ -195,6 +202,120 @@ def exchange_wait(flight: ExchangeInFlight) -> torch.Tensor:
         raise ValueError("exchange_wait: this exchange was already waited for")
     out, flight.output = flight.output, None
     return _WaitExchange.apply(out, flight)
+
+
+# --------------------------------------------------------------------------- exchange through peer memory
+
+
+def _as_words(x: torch.Tensor) -> torch.Tensor:
+    """x viewed as 8-byte words where its sizes, strides and offset allow (a strided copy then moves
+    8 bytes per element instead of 2 for bf16), else x itself."""
+    size = x.element_size()
+    fits = x.dim() and x.stride(-1) == 1 and (x.size(-1) * size) % 8 == 0 and (x.storage_offset() * size) % 8 == 0 \
+        and all((stride * size) % 8 == 0 for stride in x.stride()[:-1])
+    return x.view(torch.int64) if fits and size < 8 else x
+
+
+def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
+    dst_words, src_words = _as_words(dst), _as_words(src)
+    if dst_words.dtype == src_words.dtype:
+        dst_words.copy_(src_words)
+    else:
+        dst.copy_(src)
+
+
+class PeerMemoryExchange:
+    """Equal-split all-to-all between the GPUs of one machine through symmetric memory, for the two
+    regroupings expert parallelism needs (see all_to_all):
+
+        exchange.all_to_all(x, 0, 1)   # [G*L, C, ...] -> [L, G*C, ...]
+        exchange.all_to_all(y, 1, 0)   # [L, G*C, ...] -> [G*L, C, ...]
+
+    Each call copies x into a buffer every rank maps, waits on the GPU (a device-side barrier, the
+    host never blocks) until every rank has, reads the pieces meant for this rank from every peer
+    straight into their regrouped place, and waits again so that no rank overwrites its buffer while
+    a peer still reads it. Build one on every rank of `group` together (an NCCL group: one GPU per
+    rank, peer access between them); the buffer grows, collectively, to the largest exchange."""
+
+    def __init__(self, group=None):
+        if dist.get_backend(group) != "nccl":
+            raise ValueError(f"PeerMemoryExchange needs an NCCL group (GPUs of one machine), got backend "
+                             f"{dist.get_backend(group)!r}: use exchange='all_to_all' there")
+        from torch.distributed import _symmetric_memory as symmetric_memory
+
+        self.symmetric_memory = symmetric_memory
+        self.group_name = (group or dist.group.WORLD).group_name
+        self.world, self.rank = get_world_size(group), get_rank(group)
+        self.buffer: torch.Tensor | None = None
+        self.handle = None
+        if hasattr(symmetric_memory, "enable_symm_mem_for_group"):
+            # Older torch releases need it before a rendezvous; newer ones deprecate it as a no-op.
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", FutureWarning)
+                symmetric_memory.enable_symm_mem_for_group(self.group_name)
+
+    def _publish(self, x: torch.Tensor) -> None:
+        """Copy x into this rank's shared buffer (grown collectively: every rank exchanges the same sizes)."""
+        nbytes = x.numel() * x.element_size()
+        if self.buffer is None or self.buffer.numel() < nbytes:
+            self.buffer = self.symmetric_memory.empty(nbytes, dtype=torch.uint8, device=x.device)
+            self.handle = self.symmetric_memory.rendezvous(self.buffer, self.group_name)
+        _copy(self.buffer[:nbytes].view(x.dtype).view(x.shape), x)
+
+    def _peer_view(self, peer: int, like: torch.Tensor) -> torch.Tensor:
+        nbytes = like.numel() * like.element_size()
+        return self.handle.get_buffer(peer, (nbytes,), torch.uint8).view(like.dtype).view(like.shape)
+
+    def exchange(self, x: torch.Tensor, split_dim: int, concat_dim: int) -> torch.Tensor:
+        """all_to_all(x, split_dim, concat_dim) for (0, 1) and (1, 0), without autograd."""
+        if (split_dim, concat_dim) not in ((0, 1), (1, 0)) or x.dim() < 2 or not x.is_cuda:
+            raise ValueError(f"PeerMemoryExchange moves CUDA tensors of 2 or more dims with (split_dim, concat_dim) "
+                             f"(0, 1) or (1, 0), got {(split_dim, concat_dim)} on {x.device} with {x.dim()} dims")
+        world, rows = self.world, x.size(0)
+        x = x.contiguous()
+        # Both regroupings as [A, B, C, rest] blocks: piece g (meant for rank g) of x is
+        # `select(x_view, g)`, and what arrives from rank g goes to out_view[g] / out_view[:, g].
+        if split_dim == 0:  # x [G*L, C, rest] -> out [L, G*C, rest]
+            local = _split_evenly(rows, world, "PeerMemoryExchange(split_dim=0)")
+            x_view = x.view(world, local, x.size(1), -1)  # [G, L, C, rest]
+            out = x.new_empty((local, world * x.size(1)) + tuple(x.shape[2:]))
+            out_view = out.view(local, world, x.size(1), -1)  # [L, G, C, rest]
+            arrivals = [out_view[:, peer] for peer in range(world)]
+
+            def select(view):
+                return view[self.rank]
+        else:  # x [L, G*C, rest] -> out [G*L, C, rest]
+            piece = _split_evenly(x.size(1), world, "PeerMemoryExchange(split_dim=1)")
+            x_view = x.view(rows, world, piece, -1)  # [L, G, C, rest]
+            out = x.new_empty((world * rows, piece) + tuple(x.shape[2:]))
+            out_view = out.view(world, rows, piece, -1)  # [G, L, C, rest]
+            arrivals = [out_view[peer] for peer in range(world)]
+
+            def select(view):
+                return view[:, self.rank]
+        self._publish(x)
+        self.handle.barrier(channel=0)  # every rank's buffer is written
+        for peer, arrival in enumerate(arrivals):  # this rank's own piece comes from x itself
+            _copy(arrival, select(x_view if peer == self.rank else self._peer_view(peer, x_view)))
+        self.handle.barrier(channel=0)  # every rank has read its pieces: buffers may be reused
+        return out
+
+    def all_to_all(self, x: torch.Tensor, split_dim: int, concat_dim: int) -> torch.Tensor:
+        """Differentiable: the backward is the reverse exchange (concat and split dims swapped)."""
+        return _PeerAllToAll.apply(x, self, split_dim, concat_dim)
+
+
+class _PeerAllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, exchange, split_dim, concat_dim):
+        ctx.exchange, ctx.dims = exchange, (split_dim, concat_dim)
+        return exchange.exchange(x, split_dim, concat_dim)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad):
+        split_dim, concat_dim = ctx.dims
+        return ctx.exchange.exchange(grad, concat_dim, split_dim), None, None, None
 
 
 # --------------------------------------------------------------------------- gather / scatter

@@ -74,7 +74,8 @@ def _counting_starts():
     return calls
 
 
-def _compare_layer(results: dict, tag: str, layer: MoELayer, rank: int, calls: list, **call) -> None:
+def _compare_layer(results: dict, tag: str, layer: MoELayer, rank: int, calls: list, exchange: str = "all_to_all",
+                   **call) -> None:
     """Run `layer` (one instance per process, seed 0) whole in this process on each rank's tokens,
     then parallelized under each degree, and record the largest differences."""
     gen = torch.Generator().manual_seed(7)
@@ -99,7 +100,7 @@ def _compare_layer(results: dict, tag: str, layer: MoELayer, rank: int, calls: l
                 (reference(x) * g).sum(), list(reference.experts.parameters()))):
             ref_expert_grads[name] += grad
 
-    strategy = parallelize(layer)[0]
+    strategy = parallelize(layer, exchange=exchange)[0]
     outputs = {}
     for degree in DEGREES:
         layer.zero_grad()
@@ -140,6 +141,40 @@ def worker(rank: int, world: int, out_dir: str) -> None:
     results["agreed capacity"] = parallelize(MoELayer(8, 2, 4).to(_device()))[0]._agreed_capacity(3 + 5 * rank)
     cpu_group = expert_parallel.host_group()  # Gloo: the default group itself; NCCL: a new Gloo group
     results["host group"] = (cpu_group is None, dist.get_backend(cpu_group))
+    if dist.get_backend() == "gloo":
+        try:
+            net.PeerMemoryExchange()
+        except ValueError as error:
+            results["peer memory on gloo"] = str(error)
+    torch.save(results, os.path.join(out_dir, f"results{rank}.pt"))
+
+
+def _check_peer_exchange(results: dict, rank: int) -> None:
+    """PeerMemoryExchange against NCCL's all_to_all, both regroupings, forward and backward: the
+    same bytes must arrive (exact), through 8-byte words and elementwise (odd trailing size)."""
+    exchange = net.PeerMemoryExchange()
+    gen = torch.Generator().manual_seed(11 + rank)
+    worst = 0.0
+    for dtype in (torch.bfloat16, torch.float32):
+        for shape, dims in [((4, 6, 8), (0, 1)), ((2, 6, 8), (1, 0)), ((4, 5, 3), (0, 1)), ((2, 4, 3), (1, 0))]:
+            x = torch.randn(shape, generator=gen).to(_device(), dtype)
+            leaf, reference_leaf = x.clone().requires_grad_(), x.clone().requires_grad_()
+            y = exchange.all_to_all(leaf, *dims)
+            expected = net.all_to_all(reference_leaf, *dims)
+            upstream = torch.randn(expected.shape, generator=gen).to(_device(), dtype)
+            (y.float() * upstream.float()).sum().backward()
+            (expected.float() * upstream.float()).sum().backward()
+            worst = max(worst, _max_diff(y.float(), expected.float()), _max_diff(leaf.grad.float(), reference_leaf.grad.float()))
+    results["peer exchange vs all_to_all"] = worst
+
+
+def peer_worker(rank: int, world: int, out_dir: str) -> None:
+    results = {}
+    _check_peer_exchange(results, rank)
+    calls = _counting_starts()
+    torch.manual_seed(0)
+    _compare_layer(results, "peer memory", MoELayer(8, 4, 12, top_k=2, capacity_factor=1.0).to(_device()), rank,
+                   calls, exchange="peer_memory")
     torch.save(results, os.path.join(out_dir, f"results{rank}.pt"))
 
 
@@ -179,6 +214,41 @@ def test_optimizer_reduces_expert_gradients_to_the_mean(results, tag):
     _, per_rank = results
     for rank_results in per_rank:
         assert rank_results[f"{tag}: reduced expert gradients"] <= LIMIT
+
+
+def test_peer_memory_needs_nccl(results):
+    backend, per_rank = results
+    if backend == "gloo":
+        assert all("PeerMemoryExchange needs an NCCL group" in rank_results["peer memory on gloo"]
+                   for rank_results in per_rank)
+
+
+def test_exchange_setting_is_checked():
+    with pytest.raises(ValueError, match=r"exchange must be one of \['all_to_all', 'peer_memory'\], got 'nvlink'"):
+        expert_parallel._check_exchange("nvlink")
+
+
+@pytest.fixture(scope="module")
+def peer_results(tmp_path_factory):
+    if torch.cuda.device_count() < WORLD:
+        pytest.skip("needs 2 CUDA GPUs")
+    out_dir = str(tmp_path_factory.mktemp("peer_memory"))
+    spawn(peer_worker, WORLD, args=(out_dir,), backend="nccl")
+    return [torch.load(os.path.join(out_dir, f"results{rank}.pt")) for rank in range(WORLD)]
+
+
+def test_nccl_peer_memory_exchange_moves_what_all_to_all_moves(peer_results):
+    assert [rank_results["peer exchange vs all_to_all"] for rank_results in peer_results] == [0.0, 0.0]
+
+
+@pytest.mark.parametrize("degree", DEGREES)
+def test_nccl_peer_memory_layer_matches_one_process(peer_results, degree):
+    for rank_results in peer_results:
+        errors = {key: value for key, value in rank_results.items() if key.startswith(f"peer memory degree {degree}: vs")}
+        assert len(errors) == 2 and max(errors.values()) <= LIMIT, errors
+        # Unchunked, the rows travel through peer memory; chunked, by the all-to-all pair per chunk.
+        assert rank_results[f"peer memory degree {degree}: exchanges"] == (0 if degree == 1 else 2 * degree)
+    assert max(rank_results["peer memory: reduced expert gradients"] for rank_results in peer_results) <= LIMIT
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

@@ -17,6 +17,11 @@ exchanged so that each rank runs its own experts on every rank's rows for them:
   packed layout (dropless): the per-expert row counts are exchanged first, then rows move by an
       uneven all-to-all and are regrouped expert-major.
 
+exchange="peer_memory" (GPUs of one machine, NCCL group) moves the unchunked padded buffer through
+net.PeerMemoryExchange instead: each rank reads its rows from the other GPUs' memory straight into
+expert-major order and the results back into destination order, so neither the regrouping copies
+nor NCCL kernels run (chunked calls, a2a_ffn_overlap_degree > 1, still use the all-to-all below).
+
 With a2a_ffn_overlap_degree = n > 1 the capacity dim is cut into n chunks: all chunks'
 all-to-alls are launched at once (net.all_to_all_start) and each chunk's experts wait, on the GPU
 stream only, for that chunk's rows, so on GPUs communication overlaps expert compute; backward
@@ -49,6 +54,16 @@ HIDDEN_AXES: dict[type[Experts], dict[str, int | None]] = {
     FFNExperts: {"w1": 2, "b1": 1, "w2": 1, "b2": None},
     SwiGLUExperts: {"w_gate": 2, "w_up": 2, "w_down": 1},
 }
+
+
+# How padded rows travel between the ranks (see the top of this file).
+EXCHANGES = ("all_to_all", "peer_memory")
+
+
+def _check_exchange(exchange) -> str:
+    if exchange not in EXCHANGES:
+        raise ValueError(f"exchange must be one of {list(EXCHANGES)}, got {exchange!r}")
+    return exchange
 
 
 def _check_overlap(degree) -> int:
@@ -122,11 +137,13 @@ class ExpertParallel:
     """Runs one layer's experts across ranks; holds the default degree and overlap of that layer.
     host_group: a Gloo group with the layout's ranks (see host_group()), shared by all layers."""
 
-    def __init__(self, layout: ExpertLayout, host_group, adaptive_r: int = 1, a2a_ffn_overlap_degree: int = 1):
+    def __init__(self, layout: ExpertLayout, host_group, adaptive_r: int = 1, a2a_ffn_overlap_degree: int = 1,
+                 exchange: str = "all_to_all"):
         self.layout = layout
         self.host_group = host_group
         self.adaptive_r = layout.check_r(adaptive_r)
         self.a2a_ffn_overlap_degree = _check_overlap(a2a_ffn_overlap_degree)
+        self.exchange = _check_exchange(exchange)
 
     def run_experts(self, experts: Experts, buf_RD: torch.Tensor, plan: RoutingPlan, adaptive_r: int | None = None,
                     a2a_ffn_overlap_degree: int | None = None) -> torch.Tensor:
@@ -197,6 +214,11 @@ class ExpertParallel:
             x_ECD = nn.functional.pad(x_ECD, (0, 0, 0, common - capacity))
         x_VCD = x_ECD if r == 1 else x_ECD.unsqueeze(1).expand(num_experts, r, common, dim).reshape(-1, common, dim)
         local, chunk = x_VCD.size(0) // members, common // overlap
+        if self.exchange == "peer_memory" and overlap == 1:
+            y_VCD = self._through_peer_memory(experts, params, x_VCD, group, local)
+            if r > 1:
+                y_VCD = y_VCD.view(num_experts, r, common, -1).sum(1)
+            return y_VCD[:, :capacity].reshape(num_experts * capacity, -1)
 
         def compute(recv_VcD):
             # Received source-major [G, L, c, D]; the experts want expert-major [L, G*c, D] rows, and
@@ -220,6 +242,19 @@ class ExpertParallel:
         if r > 1:
             y_VCD = y_VCD.view(num_experts, r, common, -1).sum(1)
         return y_VCD[:, :capacity].reshape(num_experts * capacity, -1)
+
+    def _through_peer_memory(self, experts, params, x_VCD, group, local):
+        """Unchunked exchange through peer memory: the rows arrive expert-major ([L, G*C, D]) and
+        the results leave from there, with no regrouping copies and no NCCL kernel."""
+        exchange = self.layout.peer_exchanges.get(group)
+        if exchange is None:
+            exchange = self.layout.peer_exchanges[group] = net.PeerMemoryExchange(group)
+        x_LRD = exchange.all_to_all(x_VCD, 0, 1)
+        rows = x_LRD.size(1)
+        counts = torch.full((local,), rows, dtype=torch.long, device=x_LRD.device)
+        y_RD = _mean_gradient_experts(experts, params, x_LRD.view(-1, x_LRD.size(-1)), counts, rows,
+                                      self.layout.world_size)
+        return exchange.all_to_all(y_RD.view(local, rows, -1), 1, 0)
 
     def _packed(self, experts, params, buf_RD, counts_E, r):
         layout = self.layout
@@ -277,9 +312,12 @@ def _keep_local_experts(experts: Experts, layout: ExpertLayout) -> None:
             setattr(module, name, mark_expert(local))
 
 
-def parallelize(model: nn.Module, adaptive_r: int = 1, a2a_ffn_overlap_degree: int = 1, group=None) -> list[ExpertParallel]:
+def parallelize(model: nn.Module, adaptive_r: int = 1, a2a_ffn_overlap_degree: int = 1, group=None,
+                exchange: str = "all_to_all") -> list[ExpertParallel]:
     """Shard the experts of every MoELayer in `model` over the ranks of `group` (in place; call on
-    every rank with the same full model before building the optimizer). Returns the strategies."""
+    every rank with the same full model before building the optimizer). Returns the strategies.
+    exchange: how padded rows travel (see the top of this file); a strategy's `exchange` attribute
+    may be changed between calls."""
     from moetrain.moe import moe_layers
 
     layouts: dict[int, ExpertLayout] = {}
@@ -291,7 +329,7 @@ def parallelize(model: nn.Module, adaptive_r: int = 1, a2a_ffn_overlap_degree: i
         if layer.num_experts not in layouts:
             layouts[layer.num_experts] = ExpertLayout(layer.num_experts, group)
         layout = layouts[layer.num_experts]
-        strategy = ExpertParallel(layout, cpu_group, adaptive_r, a2a_ffn_overlap_degree)  # checks before any change
+        strategy = ExpertParallel(layout, cpu_group, adaptive_r, a2a_ffn_overlap_degree, exchange)  # checks first
         _keep_local_experts(layer.experts, layout)
         layer.parallel = strategy
         strategies.append(strategy)
