@@ -3,7 +3,8 @@
 #   bash notes/gpu_parallel.sh OUTDIR
 # 1. JIT-builds the kernels (build.log), 2. NCCL equivalence self-check (check.log),
 # 3. the NCCL half of tests/test_parallel_overlap.py (tests.log), 4. the 2-GPU benchmark with one
-# profiled step per setup and one exchange timed alone (parallel_benchmark.log), 5. the same
+# profiled step per setup, NCCL all-to-all at overlap 1 and 2 and peer memory unchunked, and one
+# exchange timed alone (parallel_benchmark.log), 5. the same
 # benchmark unprofiled, without overlap, with NCCL allowed more channels for point-to-point
 # traffic (benchmark_nccl_channels.log: NCCL settings are the user's, not the library's; this
 # shows whether they matter on this machine); optional 6. the benchmark with high-priority NCCL
@@ -49,10 +50,10 @@ if want tests; then
 fi
 
 if want bench; then
-  echo "== benchmark (python -m moetrain.parallel.benchmark --gpus 2 --overlap 1,2 --profile)"
+  echo "== benchmark (python -m moetrain.parallel.benchmark --gpus 2 --overlap 1,2 --profile; exchanges all_to_all, peer_memory)"
   start=$SECONDS
   # NCCL's INIT lines (in the log) say how many channels it gives point-to-point traffic.
-  NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT timeout 300 python3 -m moetrain.parallel.benchmark --gpus 2 --overlap 1,2 \
+  NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT timeout 240 python3 -m moetrain.parallel.benchmark --gpus 2 --overlap 1,2 \
     --profile 2>&1 | tee "$out/parallel_benchmark.log" | grep -v -E '^\{|^moetrain: |NCCL INFO'
   echo "benchmark rc=${PIPESTATUS[0]} in $((SECONDS - start)) s"
   grep -m 2 -E "p2p channels|P2P Chunksize" "$out/parallel_benchmark.log"
@@ -62,7 +63,7 @@ if want channels; then
   echo "== benchmark, NCCL_MIN_P2P_NCHANNELS=32 NCCL_MIN_CTAS=32, no overlap, no profile"
   start=$SECONDS
   NCCL_MIN_P2P_NCHANNELS=32 NCCL_MIN_CTAS=32 NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT timeout 150 \
-    python3 -m moetrain.parallel.benchmark --gpus 2 --overlap 1 > "$out/benchmark_nccl_channels.log" 2>&1
+    python3 -m moetrain.parallel.benchmark --gpus 2 --overlap 1 --exchange all_to_all > "$out/benchmark_nccl_channels.log" 2>&1
   echo "benchmark rc=$? in $((SECONDS - start)) s"
   grep -v -E '^\{|^moetrain: |NCCL INFO' "$out/benchmark_nccl_channels.log" | tail -6
   grep -m 1 "p2p channels" "$out/benchmark_nccl_channels.log"

@@ -1,7 +1,9 @@
-"""Expert-parallel training throughput: N GPUs against one, with and without all-to-all overlap.
+"""Expert-parallel training throughput: N GPUs against one, with and without all-to-all overlap,
+and with tokens exchanged by NCCL's all-to-all or through peer memory.
 
     python -m moetrain.parallel.benchmark --gpus 2
     python -m moetrain.parallel.benchmark --gpus 2 --layers 4 --dim 2048 --hidden 8192 --experts 16
+    python -m moetrain.parallel.benchmark --gpus 2 --overlap 1 --exchange all_to_all
 
 The model is a stack of pre-norm residual MoE blocks (x + MoE(LayerNorm(x))), so MoE layers are
 nearly all of the work; bf16 weights and activations, fp32 router. Every GPU processes --tokens
@@ -9,7 +11,10 @@ tokens per step (weak scaling): one GPU holds all experts, N GPUs hold experts/N
 tokens by all-to-all. A step is forward, backward and the optimizer step (SGD, through
 DistributedOptimizer on N GPUs). Step time is the median of --steps timed steps after warm-up,
 timed with CUDA events; throughput is tokens per second over all GPUs, and speedup is N-GPU
-throughput over one-GPU throughput (N is ideal).
+throughput over one-GPU throughput (N is ideal). The N-GPU rows: exchange="all_to_all" at every
+--overlap degree, then exchange="peer_memory" (unchunked; see moetrain.parallel.expert). One
+exchange of the benchmark's [E, C, D] buffer is also timed alone, by NCCL and through peer memory,
+with a local copy of it for scale: the link's rate apart from whatever else a step does.
 
 --profile adds one more step per setup under torch.profiler (rank 0's view) and prints where its
 GPU time went: the forward / backward / optimizer spans (CUDA events), kernel time by kind (GEMMs, NCCL, of
@@ -34,8 +39,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from moetrain import MoELayer
-from moetrain.parallel.expert import parallelize
+from moetrain import MoELayer, net
+from moetrain.parallel.expert import EXCHANGES, parallelize
 from moetrain.parallel.launch import spawn
 from moetrain.parallel.optimizer import DistributedOptimizer
 
@@ -183,28 +188,35 @@ def _measure(model, optimizer, args, **call) -> dict:
     return row
 
 
-def _time_exchange(args) -> dict:
-    """One [E, C, D] exchange of the benchmark's shape (what each MoE layer sends 4 times a step) on
-    its own: median of 20 all_to_all_single calls, and a local copy of the same buffer for scale."""
+def _median_ms(run, repeats: int = 20, warmup: int = 5) -> float:
+    times = []
+    for step in range(warmup + repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        run()
+        end.record()
+        torch.cuda.synchronize()
+        if step >= warmup:
+            times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def _time_exchange(args, peer_memory: bool) -> dict:
+    """One [E, C, D] exchange of the benchmark's shape (each MoE layer makes 4 a step) on its own,
+    median of 20: NCCL's all_to_all_single, a local copy of the buffer for scale, or (peer_memory)
+    net.PeerMemoryExchange's expert-major regrouping exchange."""
     experts, capacity = args.experts, args.tokens * args.top_k // args.experts
     x = torch.randn(experts, capacity, args.dim, device="cuda", dtype=torch.bfloat16)
+    mbytes = x.numel() * x.element_size() / 1e6
+    if peer_memory:
+        exchange = net.PeerMemoryExchange()
+        return {"mbytes": mbytes, "peer_memory_ms": _median_ms(lambda: exchange.exchange(x, 0, 1))}
     out = torch.empty_like(x)
-    timings = {}
-    for name, run in (("all_to_all_ms", lambda: dist.all_to_all_single(out, x)), ("copy_ms", lambda: out.copy_(x))):
-        times = []
-        for step in range(25):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            run()
-            end.record()
-            torch.cuda.synchronize()
-            if step >= 5:
-                times.append(start.elapsed_time(end))
-        timings[name] = statistics.median(times)
+    timings = {"mbytes": mbytes, "all_to_all_ms": _median_ms(lambda: dist.all_to_all_single(out, x)),
+               "copy_ms": _median_ms(lambda: out.copy_(x))}
     # Each rank keeps 1/W of the buffer and sends the rest, (W-1)/W of it, to the other ranks.
     world = dist.get_world_size()
-    timings["sent_gb_per_s"] = x.numel() * x.element_size() * (world - 1) / world / timings["all_to_all_ms"] / 1e6
-    timings["mbytes"] = x.numel() * x.element_size() / 1e6
+    timings["sent_gb_per_s"] = mbytes * (world - 1) / world / timings["all_to_all_ms"]
     return timings
 
 
@@ -213,16 +225,32 @@ def _single_gpu(args) -> dict:
     return _measure(model, torch.optim.SGD(model.parameters(), lr=1e-6), args)
 
 
+def _setups(args) -> list[tuple[str, int]]:
+    """(exchange, overlap degree) of each N-GPU row: the all-to-all at every degree, then peer
+    memory unchunked (it has no chunked form) last, so that a failure there costs no other row."""
+    setups = [("all_to_all", degree) for degree in args.overlap] if "all_to_all" in args.exchange else []
+    return setups + ([("peer_memory", 1)] if "peer_memory" in args.exchange else [])
+
+
 def _multi_gpu(rank: int, world: int, args, out_path: str) -> None:
     model = _build(args)
-    parallelize(model, adaptive_r=1)
+    strategies = parallelize(model, adaptive_r=1)
     optimizer = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1e-6), model)
-    results = {degree: _run_row(lambda: _measure(model, optimizer, args, a2a_ffn_overlap_degree=degree))
-               for degree in args.overlap}
-    results["exchange"] = _run_row(lambda: _time_exchange(args))
-    if rank == 0:
-        with open(out_path, "w") as file:
-            json.dump(results, file)
+    results = {}
+
+    def record(key, row):  # rank 0 writes after every row: rows done survive a later crash
+        results[key] = row
+        if rank == 0:
+            with open(out_path, "w") as file:
+                json.dump(results, file)
+
+    record("exchange", _run_row(lambda: _time_exchange(args, peer_memory=False)))
+    for exchange, degree in _setups(args):
+        for strategy in strategies:
+            strategy.exchange = exchange
+        record(f"{exchange}:{degree}", _run_row(lambda: _measure(model, optimizer, args, a2a_ffn_overlap_degree=degree)))
+    if "peer_memory" in args.exchange:
+        record("peer exchange", _run_row(lambda: _time_exchange(args, peer_memory=True)))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -236,11 +264,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokens", type=int, default=8192, help="tokens per GPU per step")
     parser.add_argument("--overlap", type=lambda text: [int(v) for v in text.split(",")], default=[1, 2, 4],
                         help="a2a_ffn_overlap_degree values, comma-separated (1 = no overlap)")
+    parser.add_argument("--exchange", type=lambda text: text.split(","), default=["all_to_all", "peer_memory"],
+                        help="how tokens travel, comma-separated: all_to_all (NCCL, at every --overlap degree) "
+                             "and/or peer_memory (symmetric memory over NVLink, unchunked)")
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--impl", choices=("kernel", "torch"), default="kernel", help="dispatch/combine implementation")
     parser.add_argument("--profile", action="store_true", help="also profile one step per setup (see above)")
     args = parser.parse_args(argv)
+    unknown = sorted(set(args.exchange) - set(EXCHANGES))
+    if unknown:
+        parser.error(f"--exchange takes {', '.join(EXCHANGES)}; got {', '.join(unknown)}")
     if not torch.cuda.is_available() or torch.cuda.device_count() < args.gpus:
         parser.error(f"needs {args.gpus} CUDA GPUs, found {torch.cuda.device_count() if torch.cuda.is_available() else 0}")
 
@@ -248,26 +282,33 @@ def main(argv: list[str] | None = None) -> int:
     torch.cuda.empty_cache()
     with tempfile.TemporaryDirectory() as folder:
         out_path = os.path.join(folder, "multi.json")
+        crash = None
         try:
             spawn(_multi_gpu, args.gpus, args=(args, out_path), backend="nccl")
+        except Exception as error:  # noqa: BLE001 - still print the rows finished before it
+            crash = {"error": f"workers failed: {type(error).__name__}: {str(error)[-400:]}"}
+        multi = {}
+        if os.path.exists(out_path):
             with open(out_path) as file:
                 multi = json.load(file)
-            exchange = multi.pop("exchange")
-            multi = {int(degree): row for degree, row in multi.items()}
-        except Exception as error:  # noqa: BLE001 - still print the one-GPU row
-            multi = {degree: {"error": f"{type(error).__name__}: {error}"} for degree in args.overlap}
-            exchange = {"error": f"{type(error).__name__}: {error}"}
-
-    rows = [("1 GPU", 1, None, single)] + [(f"{args.gpus} GPUs EP", args.gpus, degree, row) for degree, row in multi.items()]
+    missing = crash or {"error": "the workers wrote no result for it"}
+    exchange, peer_exchange = multi.pop("exchange", missing), multi.pop("peer exchange", missing)
+    labels = {"all_to_all": "EP a2a", "peer_memory": "EP peer"}
+    rows = [("1 GPU", 1, None, single)] + [(f"{args.gpus} GPUs {labels[name]}", args.gpus, degree,
+                                            multi.get(f"{name}:{degree}", missing))
+                                           for name, degree in _setups(args)]
     report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "config": vars(args), "runs": []}
     _print_table(rows, args, report)
-    report["exchange"] = exchange
+    report["exchange"] = {**exchange, **{f"peer {key}": value for key, value in peer_exchange.items()}}
     if "all_to_all_ms" in exchange:
         print(f"one exchange alone ({exchange['mbytes']:.0f} MB all_to_all_single, median of 20): "
               f"{exchange['all_to_all_ms']:.3f} ms, {exchange['sent_gb_per_s']:.0f} GB/s sent to the other ranks; "
               f"a local copy of it {exchange['copy_ms']:.3f} ms")
     else:
         print(f"one exchange alone: FAILED {exchange.get('error')}")
+    if "peer_memory" in args.exchange:
+        print(f"the same through peer memory, regrouped expert-major: {peer_exchange['peer_memory_ms']:.3f} ms"
+              if "peer_memory_ms" in peer_exchange else f"the same through peer memory: FAILED {peer_exchange.get('error')}")
     if args.profile:
         _print_profiles(rows)
     print(json.dumps(report))
