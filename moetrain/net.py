@@ -26,9 +26,9 @@ reverse exchange and the backward of all_to_all_start waits for it, so the autog
 other nodes while a gradient travels.
 
 PeerMemoryExchange moves the same data as all_to_all(x, 0, 1) / all_to_all(x, 1, 0) between the
-GPUs of one machine without NCCL: each rank copies its buffer once into memory every rank can read
-(torch's symmetric memory, over NVLink), and each rank reads its pieces from every peer straight
-into their final, regrouped place, so the expert-major regrouping needs no copy of its own.
+GPUs of one machine without NCCL: each rank copies what its peers need once into memory every rank
+can read (torch's symmetric memory, over NVLink), and each rank reads its pieces from every peer
+straight into their final, regrouped place, so the expert-major regrouping needs no copy of its own.
 
 Hierarchical all-to-all (`TwoLevelGroups`, `hierarchical_all_to_all`) exchanges within a node
 first and across nodes second, so each pair of nodes exchanges one large message instead of
@@ -231,10 +231,10 @@ class PeerMemoryExchange:
         exchange.all_to_all(x, 0, 1)   # [G*L, C, ...] -> [L, G*C, ...]
         exchange.all_to_all(y, 1, 0)   # [L, G*C, ...] -> [G*L, C, ...]
 
-    Each call copies x into a buffer every rank maps, waits on the GPU (a device-side barrier, the
-    host never blocks) until every rank has, reads the pieces meant for this rank from every peer
-    straight into their regrouped place, and waits again so that no rank overwrites its buffer while
-    a peer still reads it. Build one on every rank of `group` together (an NCCL group: one GPU per
+    Each call copies the pieces of x meant for the peers into a buffer every rank maps, waits on the
+    GPU (a device-side barrier; the host never blocks) until every rank has, reads the pieces meant
+    for this rank from every peer (its own from x) straight into their regrouped place, and waits
+    again so that no rank overwrites its buffer while a peer still reads it. Build one on every rank of `group` together (an NCCL group: one GPU per
     rank, peer access between them); the buffer grows, collectively, to the largest exchange."""
 
     def __init__(self, group=None):
@@ -254,17 +254,12 @@ class PeerMemoryExchange:
                 warnings.simplefilter("ignore", FutureWarning)
                 symmetric_memory.enable_symm_mem_for_group(self.group_name)
 
-    def _publish(self, x: torch.Tensor) -> None:
-        """Copy x into this rank's shared buffer (grown collectively: every rank exchanges the same sizes)."""
-        nbytes = x.numel() * x.element_size()
-        if self.buffer is None or self.buffer.numel() < nbytes:
-            self.buffer = self.symmetric_memory.empty(nbytes, dtype=torch.uint8, device=x.device)
-            self.handle = self.symmetric_memory.rendezvous(self.buffer, self.group_name)
-        _copy(self.buffer[:nbytes].view(x.dtype).view(x.shape), x)
-
-    def _peer_view(self, peer: int, like: torch.Tensor) -> torch.Tensor:
+    def _shared_view(self, rank: int, like: torch.Tensor) -> torch.Tensor:
+        """Rank `rank`'s shared buffer (this rank's own, or a peer's mapped here) viewed like `like`."""
         nbytes = like.numel() * like.element_size()
-        return self.handle.get_buffer(peer, (nbytes,), torch.uint8).view(like.dtype).view(like.shape)
+        if rank == self.rank:
+            return self.buffer[:nbytes].view(like.dtype).view(like.shape)
+        return self.handle.get_buffer(rank, (nbytes,), torch.uint8).view(like.dtype).view(like.shape)
 
     def exchange(self, x: torch.Tensor, split_dim: int, concat_dim: int) -> torch.Tensor:
         """all_to_all(x, split_dim, concat_dim) for (0, 1) and (1, 0), without autograd."""
@@ -273,30 +268,37 @@ class PeerMemoryExchange:
                              f"(0, 1) or (1, 0), got {(split_dim, concat_dim)} on {x.device} with {x.dim()} dims")
         world, rows = self.world, x.size(0)
         x = x.contiguous()
-        # Both regroupings as [A, B, C, rest] blocks: piece g (meant for rank g) of x is
-        # `select(x_view, g)`, and what arrives from rank g goes to out_view[g] / out_view[:, g].
+        # Both regroupings as 4-dim blocks: piece(x_view, g) is what x sends to rank g, and what
+        # arrives from rank g lands in piece(out_view, g).
         if split_dim == 0:  # x [G*L, C, rest] -> out [L, G*C, rest]
             local = _split_evenly(rows, world, "PeerMemoryExchange(split_dim=0)")
             x_view = x.view(world, local, x.size(1), -1)  # [G, L, C, rest]
             out = x.new_empty((local, world * x.size(1)) + tuple(x.shape[2:]))
             out_view = out.view(local, world, x.size(1), -1)  # [L, G, C, rest]
-            arrivals = [out_view[:, peer] for peer in range(world)]
 
-            def select(view):
-                return view[self.rank]
+            def piece(view, g, sending=True):
+                return view[g] if sending else view[:, g]
         else:  # x [L, G*C, rest] -> out [G*L, C, rest]
-            piece = _split_evenly(x.size(1), world, "PeerMemoryExchange(split_dim=1)")
-            x_view = x.view(rows, world, piece, -1)  # [L, G, C, rest]
-            out = x.new_empty((world * rows, piece) + tuple(x.shape[2:]))
-            out_view = out.view(world, rows, piece, -1)  # [G, L, C, rest]
-            arrivals = [out_view[peer] for peer in range(world)]
+            width = _split_evenly(x.size(1), world, "PeerMemoryExchange(split_dim=1)")
+            x_view = x.view(rows, world, width, -1)  # [L, G, C, rest]
+            out = x.new_empty((world * rows, width) + tuple(x.shape[2:]))
+            out_view = out.view(world, rows, width, -1)  # [G, L, C, rest]
 
-            def select(view):
-                return view[:, self.rank]
-        self._publish(x)
+            def piece(view, g, sending=True):
+                return view[:, g] if sending else view[g]
+
+        nbytes = x.numel() * x.element_size()
+        if self.buffer is None or self.buffer.numel() < nbytes:  # grown together: every rank has these sizes
+            self.buffer = self.symmetric_memory.empty(nbytes, dtype=torch.uint8, device=x.device)
+            self.handle = self.symmetric_memory.rendezvous(self.buffer, self.group_name)
+        shared = self._shared_view(self.rank, x_view)
+        for peer in range(world):  # publish what the peers will read; this rank's own piece stays in x
+            if peer != self.rank:
+                _copy(piece(shared, peer), piece(x_view, peer))
         self.handle.barrier(channel=0)  # every rank's buffer is written
-        for peer, arrival in enumerate(arrivals):  # this rank's own piece comes from x itself
-            _copy(arrival, select(x_view if peer == self.rank else self._peer_view(peer, x_view)))
+        for peer in range(world):
+            source = x_view if peer == self.rank else self._shared_view(peer, x_view)
+            _copy(piece(out_view, peer, sending=False), piece(source, self.rank))
         self.handle.barrier(channel=0)  # every rank has read its pieces: buffers may be reused
         return out
 
