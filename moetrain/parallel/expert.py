@@ -7,8 +7,9 @@
 
 parallelize() keeps only this rank's experts (see layout.py for where they live) and attaches an
 ExpertParallel to each MoELayer. The expert parameters' gradients come out already divided by the
-world size W (the optimizer's mean over ranks; see _mean_gradient_experts). Between dispatch and combine, the expert-major buffer is
-exchanged so that each rank runs its own experts on every rank's rows for them:
+world size W (the optimizer's mean over ranks; see _mean_gradient_experts). Between dispatch and
+combine, the expert-major buffer is exchanged so that each rank runs its own experts on every
+rank's rows for them:
 
   padded layout (capacity_factor > 0): [E, C, D] blocks; one fixed-size all-to-all splits the
       expert dim and concatenates the capacity dim, so local expert l sees [G*C, D] rows
