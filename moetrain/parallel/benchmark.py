@@ -238,11 +238,13 @@ def _multi_gpu(rank: int, world: int, args, out_path: str) -> None:
     optimizer = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1e-6), model)
     results = {}
 
-    def record(key, row):  # rank 0 writes after every row: rows done survive a later crash
+    def record(key, row):  # rank 0 writes (and prints) every row at once: rows done survive a crash or hang
         results[key] = row
         if rank == 0:
             with open(out_path, "w") as file:
                 json.dump(results, file)
+            done = f"{row['step_s'] * 1e3:.2f} ms a step" if "step_s" in row else row.get("error") or json.dumps(row)
+            print(f"  {world} GPUs, {key}: {done}", flush=True)
 
     record("exchange", _run_row(lambda: _time_exchange(args, peer_memory=False)))
     for exchange, degree in _setups(args):
@@ -279,6 +281,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"needs {args.gpus} CUDA GPUs, found {torch.cuda.device_count() if torch.cuda.is_available() else 0}")
 
     single = _run_row(lambda: _single_gpu(args))
+    print(f"  1 GPU: {single['step_s'] * 1e3:.2f} ms a step" if "step_s" in single else f"  1 GPU: {single['error']}",
+          flush=True)
     torch.cuda.empty_cache()
     with tempfile.TemporaryDirectory() as folder:
         out_path = os.path.join(folder, "multi.json")
