@@ -46,7 +46,7 @@ if want tests; then
   echo "== tests (NCCL)"
   start=$SECONDS
   timeout 180 python3 -m pytest -q -p no:cacheprovider tests/test_parallel_overlap.py -k nccl > "$out/tests.log" 2>&1
-  echo "tests rc=$? in $((SECONDS - start)) s"; grep -E "passed|failed|Error|assert" "$out/tests.log" | tail -8
+  echo "tests rc=$? in $((SECONDS - start)) s"; grep -E "passed|failed|FAILED|Error|assert" "$out/tests.log" | tail -12
 fi
 
 if want bench; then
