@@ -44,9 +44,8 @@ import torch.distributed as dist
 from torch.autograd.function import once_differentiable
 
 __all__ = [
-    "ExchangeInFlight", "PeerMemoryExchange", "TwoLevelGroups", "all_gather", "all_to_all", "all_to_all_single", "all_to_all_start",
-    "exchange_wait", "get_rank", "get_world_size",
-    "hierarchical_all_to_all", "reduce_scatter", "simple_all_reduce", "zero_gather", "zero_scatter",
+    "ExchangeInFlight", "PeerMemoryExchange", "TwoLevelGroups", "all_gather", "all_to_all", "all_to_all_single",
+    "all_to_all_start", "exchange_wait", "get_rank", "get_world_size", "hierarchical_all_to_all", "reduce_scatter", "simple_all_reduce", "zero_gather", "zero_scatter",
 ]
 
 
@@ -234,8 +233,9 @@ class PeerMemoryExchange:
     Each call copies the pieces of x meant for the peers into a buffer every rank maps, waits on the
     GPU (a device-side barrier; the host never blocks) until every rank has, reads the pieces meant
     for this rank from every peer (its own from x) straight into their regrouped place, and waits
-    again so that no rank overwrites its buffer while a peer still reads it. Build one on every rank of `group` together (an NCCL group: one GPU per
-    rank, peer access between them); the buffer grows, collectively, to the largest exchange."""
+    again so that no rank overwrites its buffer while a peer still reads it. Build one on every rank
+    of `group` together (an NCCL group: one GPU per rank, peer access between them); the buffer
+    grows, collectively, to the largest exchange."""
 
     def __init__(self, group=None):
         if dist.get_backend(group) != "nccl":

@@ -250,7 +250,8 @@ def _multi_gpu(rank: int, world: int, args, out_path: str) -> None:
     for exchange, degree in _setups(args):
         for strategy in strategies:
             strategy.exchange = exchange
-        record(f"{exchange}:{degree}", _run_row(lambda: _measure(model, optimizer, args, a2a_ffn_overlap_degree=degree)))
+        row = _run_row(lambda: _measure(model, optimizer, args, a2a_ffn_overlap_degree=degree))
+        record(f"{exchange}:{degree}", row)
     if "peer_memory" in args.exchange:
         record("peer exchange", _run_row(lambda: _time_exchange(args, peer_memory=True)))
 
@@ -311,8 +312,10 @@ def main(argv: list[str] | None = None) -> int:
     else:
         print(f"one exchange alone: FAILED {exchange.get('error')}")
     if "peer_memory" in args.exchange:
-        print(f"the same through peer memory, regrouped expert-major: {peer_exchange['peer_memory_ms']:.3f} ms"
-              if "peer_memory_ms" in peer_exchange else f"the same through peer memory: FAILED {peer_exchange.get('error')}")
+        if "peer_memory_ms" in peer_exchange:
+            print(f"the same through peer memory, regrouped expert-major: {peer_exchange['peer_memory_ms']:.3f} ms")
+        else:
+            print(f"the same through peer memory: FAILED {peer_exchange.get('error')}")
     if args.profile:
         _print_profiles(rows)
     print(json.dumps(report))
