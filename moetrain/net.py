@@ -45,7 +45,8 @@ from torch.autograd.function import once_differentiable
 
 __all__ = [
     "ExchangeInFlight", "PeerMemoryExchange", "TwoLevelGroups", "all_gather", "all_to_all", "all_to_all_single",
-    "all_to_all_start", "exchange_wait", "get_rank", "get_world_size", "hierarchical_all_to_all", "reduce_scatter", "simple_all_reduce", "zero_gather", "zero_scatter",
+    "all_to_all_start", "exchange_wait", "get_rank", "get_world_size", "hierarchical_all_to_all", "reduce_scatter",
+    "simple_all_reduce", "zero_gather", "zero_scatter",
 ]
 
 
