@@ -70,8 +70,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> route_cpu(const at::Tensor& exper
 }
 
 at::Tensor dispatch_cpu(const at::Tensor& x_in, const at::Tensor& dest_in, int64_t num_rows) {
-  TORCH_CHECK(x_in.dim() == 2, "dispatch: x must be [tokens, dim], got ", x_in.sizes());
-  moetrain::check_plan(dest_in, x_in.size(0), "dispatch");
+  moetrain::check_dispatch(x_in, dest_in, num_rows);
   auto x = x_in.contiguous();
   auto dest = dest_in.contiguous();
   const int64_t k = dest.size(1), dim = x.size(1);

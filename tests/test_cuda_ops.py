@@ -163,6 +163,28 @@ def test_kernel_errors_name_the_argument():
         ops.route(torch.zeros(4, dtype=torch.long, device="cuda"), 2, -1, False)
 
 
+def test_kernel_errors_with_numbers_raise():
+    """Messages that format sizes and counts (they once crashed the process when built by nvcc-compiled
+    code; csrc/checks.cpp formats them now)."""
+    x = torch.randn(8, 16, device="cuda")
+    dest = torch.zeros(8, 1, dtype=torch.long, device="cuda")
+    with pytest.raises(RuntimeError, match="num_rows must be >= 0, got -3"):
+        torch.ops.moetrain.dispatch(x, dest, -3)
+    with pytest.raises(RuntimeError, match=r"dest must be \[tokens, k\] with tokens=8, got \[7, 1\]"):
+        torch.ops.moetrain.dispatch(x, dest[:7], 8)
+    with pytest.raises(RuntimeError, match=r"buf must be \[num_rows, dim\]"):
+        torch.ops.moetrain.combine_backward(x, x[:3], dest, torch.rand(8, 1, device="cuda"), 8, True)
+    with pytest.raises(RuntimeError, match="D must be a multiple of 8, got 12"):
+        torch.ops.moetrain.router_logits(torch.randn(4, 12, device="cuda", dtype=torch.bfloat16),
+                                         torch.randn(2, 12, device="cuda"))
+    with pytest.raises(RuntimeError, match=r"grad must be \[4, 2\]"):
+        torch.ops.moetrain.router_logits_backward(torch.randn(4, 3, device="cuda"),
+                                                  torch.randn(4, 16, device="cuda", dtype=torch.bfloat16),
+                                                  torch.randn(2, 16, device="cuda"), True, True)
+    with pytest.raises(RuntimeError, match=r"bias must be \[experts, 16\], got \[3, 8\]"):
+        torch.ops.moetrain.bias_act_(x, torch.randn(3, 8, device="cuda"), 4, True)
+
+
 @pytest.mark.parametrize("capacity_factor", [1.0, 0.0, -0.5])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=dtype_id)
 def test_moe_layer_kernel_path_matches_torch_path(capacity_factor, dtype):

@@ -315,8 +315,7 @@ std::tuple<at::Tensor, at::Tensor> bias_act_backward_cuda(const at::Tensor& grad
       }
       const auto stream = c10::cuda::getCurrentCUDAStream();
       const int64_t blocks = experts * plan.chunks * plan.tiles;
-      TORCH_CHECK(blocks <= std::numeric_limits<int>::max(), "bias_act_backward: grad is too large (", blocks,
-                  " blocks)");
+      check_launch_blocks(blocks, "bias_act_backward");
       kernel<<<static_cast<unsigned>(blocks), plan.block, 0, stream>>>(
           g.data_ptr<scalar_t>(), RELU ? o.data_ptr<scalar_t>() : nullptr,
           RELU ? grad_in.data_ptr<scalar_t>() : nullptr, plan.chunks > 1 ? partial.data_ptr<acc_t>() : nullptr,

@@ -42,11 +42,6 @@ void with_vector_width(int width, const Fn& fn) {
   }
 }
 
-void check_same_device(const at::Tensor& tensor, const at::Tensor& reference, const char* what, const char* name) {
-  TORCH_CHECK(tensor.device() == reference.device(), what, ": ", name, " must be on ", reference.device(), ", got ",
-              tensor.device());
-}
-
 // ---------------------------------------------------------------------------------------------
 // route: the slot of each entry inside its expert is the number of earlier entries (in priority
 // order) that chose the same expert, i.e. a stable counting sort. Three launches:
@@ -134,11 +129,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> route_cuda(const at::Tensor& expe
   const c10::cuda::CUDAGuard guard(expert_idx.device());
   auto idx = expert_idx.contiguous();
   const int64_t n = idx.numel();
-  TORCH_CHECK(n < std::numeric_limits<int32_t>::max(), "route: at most 2^31 - 1 routing entries, got ", n);
   // Each warp of a ranking block keeps E counters in 48 KB of shared memory.
   constexpr int64_t kCounters = 48 * 1024 / sizeof(int32_t);
-  TORCH_CHECK(num_experts <= kCounters, "route: the CUDA kernel supports at most ", kCounters, " experts, got ",
-              num_experts);
+  check_route_limits(n, num_experts, kCounters);
   const int warps = static_cast<int>(std::min<int64_t>(32, kCounters / num_experts));
   const int chunk = warps * 32;
   const int64_t chunks = std::max<int64_t>(1, (n + chunk - 1) / chunk);
@@ -211,10 +204,7 @@ __global__ void dispatch_kernel(const scalar_t* __restrict__ x, const int64_t* _
 }
 
 at::Tensor dispatch_cuda(const at::Tensor& x_in, const at::Tensor& dest_in, int64_t num_rows) {
-  TORCH_CHECK(x_in.dim() == 2, "dispatch: x must be [tokens, dim], got ", x_in.sizes());
-  check_plan(dest_in, x_in.size(0), "dispatch");
-  check_same_device(dest_in, x_in, "dispatch", "dest");
-  TORCH_CHECK(num_rows >= 0, "dispatch: num_rows must be >= 0, got ", num_rows);
+  check_dispatch(x_in, dest_in, num_rows);
   const c10::cuda::CUDAGuard guard(x_in.device());
   auto x = x_in.contiguous();
   auto dest = dest_in.contiguous();
@@ -270,10 +260,7 @@ __global__ void combine_kernel(const scalar_t* __restrict__ buf, const int64_t* 
 }
 
 at::Tensor combine_cuda(const at::Tensor& buf_in, const at::Tensor& dest_in, const c10::optional<at::Tensor>& weight_in) {
-  TORCH_CHECK(buf_in.dim() == 2, "combine: buf must be [rows, dim], got ", buf_in.sizes());
-  TORCH_CHECK(dest_in.dim() == 2, "combine: dest must be [tokens, k], got ", dest_in.sizes());
-  TORCH_CHECK(dest_in.scalar_type() == at::kLong, "combine: dest must be int64, got ", dest_in.scalar_type());
-  check_same_device(dest_in, buf_in, "combine", "dest");
+  check_combine(buf_in, dest_in, weight_in, at::toOpMathType(buf_in.scalar_type()));
   const c10::cuda::CUDAGuard guard(buf_in.device());
   auto buf = buf_in.contiguous();
   auto dest = dest_in.contiguous();
@@ -286,11 +273,6 @@ at::Tensor combine_cuda(const at::Tensor& buf_in, const at::Tensor& dest_in, con
     const acc_t* w = nullptr;
     if (weight_in.has_value()) {
       weight = weight_in->contiguous();
-      TORCH_CHECK(weight.scalar_type() == c10::CppTypeToScalarType<acc_t>::value, "combine: weight must be ",
-                  c10::CppTypeToScalarType<acc_t>::value, " for ", buf.scalar_type(), " buffers, got ",
-                  weight.scalar_type());
-      TORCH_CHECK(weight.sizes() == dest.sizes(), "combine: weight must have dest's shape");
-      check_same_device(weight, buf, "combine", "weight");
       w = weight.data_ptr<acc_t>();
     }
     const int width = vector_width(dim, sizeof(scalar_t), {buf.data_ptr(), y.data_ptr()});
@@ -363,16 +345,12 @@ __global__ void combine_backward_kernel(const scalar_t* __restrict__ grad_y, con
 std::tuple<at::Tensor, at::Tensor> combine_backward_cuda(const at::Tensor& grad_y_in, const at::Tensor& buf_in,
                                                          const at::Tensor& dest_in, const at::Tensor& weight_in,
                                                          int64_t num_rows, bool weight_grad) {
-  TORCH_CHECK(grad_y_in.dim() == 2, "combine_backward: grad_y must be [tokens, dim], got ", grad_y_in.sizes());
-  check_plan(dest_in, grad_y_in.size(0), "combine_backward");
-  check_same_device(dest_in, grad_y_in, "combine_backward", "dest");
-  check_same_device(weight_in, grad_y_in, "combine_backward", "weight");
-  TORCH_CHECK(num_rows >= 0, "combine_backward: num_rows must be >= 0, got ", num_rows);
+  check_combine_backward(grad_y_in, buf_in, dest_in, weight_in, num_rows, weight_grad,
+                         at::toOpMathType(grad_y_in.scalar_type()));
   const c10::cuda::CUDAGuard guard(grad_y_in.device());
   auto grad_y = grad_y_in.contiguous();
   auto dest = dest_in.contiguous();
   auto weight = weight_in.contiguous();
-  TORCH_CHECK(weight.sizes() == dest.sizes(), "combine_backward: weight must have dest's shape");
   const int64_t k = dest.size(1), dim = grad_y.size(1);
   auto grad_buf = at::empty({num_rows, dim}, grad_y.options());
   auto grad_weight = at::zeros(dest.sizes(), weight.options());
@@ -380,18 +358,10 @@ std::tuple<at::Tensor, at::Tensor> combine_backward_cuda(const at::Tensor& grad_
   at::Tensor buf;
   if (weight_grad) {
     buf = buf_in.contiguous();
-    check_same_device(buf, grad_y, "combine_backward", "buf");
-    TORCH_CHECK(buf.scalar_type() == grad_y.scalar_type() && buf.dim() == 2 && buf.size(0) == num_rows &&
-                    buf.size(1) == dim,
-                "combine_backward: buf must be [num_rows, dim] with grad_y's dtype, got ", buf.sizes(), " ",
-                buf.scalar_type());
   }
   const auto source = row_sources(dest, num_rows);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, grad_y.scalar_type(), "moetrain_combine_backward_cuda", [&] {
     using acc_t = at::opmath_type<scalar_t>;
-    TORCH_CHECK(weight.scalar_type() == c10::CppTypeToScalarType<acc_t>::value,
-                "combine_backward: weight must be ", c10::CppTypeToScalarType<acc_t>::value, " for ",
-                grad_y.scalar_type(), " gradients, got ", weight.scalar_type());
     const scalar_t* buf_ptr = weight_grad ? buf.data_ptr<scalar_t>() : nullptr;
     const int width = vector_width(dim, sizeof(scalar_t), {grad_y.data_ptr(), grad_buf.data_ptr(), buf_ptr});
     with_vector_width<scalar_t>(width, [&](auto vec) {

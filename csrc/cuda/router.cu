@@ -27,6 +27,7 @@
 #include <tuple>
 #include <type_traits>
 
+#include "../checks.h"
 #include "rows.cuh"
 
 namespace moetrain {
@@ -203,17 +204,6 @@ size_t tile_bytes(Kernel kernel, int ep) {
   return bytes;
 }
 
-void check_router(const at::Tensor& x, const at::Tensor& w, const char* what) {
-  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), what, ": x must be [T, D] and w [E, D], got ",
-              x.sizes(), " and ", w.sizes());
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf, what,
-              ": x must be bfloat16 or float16, got ", x.scalar_type());
-  TORCH_CHECK(w.scalar_type() == at::kFloat, what, ": w must be float32, got ", w.scalar_type());
-  TORCH_CHECK(w.size(0) >= 1 && w.size(0) <= 64, what, ": at most 64 experts, got ", w.size(0));
-  TORCH_CHECK(x.size(1) % 8 == 0, what, ": D must be a multiple of 8, got ", x.size(1));
-  TORCH_CHECK(x.device() == w.device(), what, ": x and w must be on one device, got ", x.device(), " and ", w.device());
-}
-
 // The kernels read and write x's rows as 16-byte vectors.
 at::Tensor aligned_contiguous(const at::Tensor& x) {
   auto out = x.contiguous();
@@ -262,8 +252,7 @@ std::tuple<at::Tensor, at::Tensor> router_logits_backward_cuda(const at::Tensor&
   const auto w = w_in.contiguous();
   const auto grad = grad_in.to(at::kFloat).contiguous();
   const int64_t T = x.size(0), D = x.size(1), E = w.size(0);
-  TORCH_CHECK(grad.dim() == 2 && grad.size(0) == T && grad.size(1) == E, "router_logits_backward: grad must be [",
-              T, ", ", E, "], got ", grad.sizes());
+  check_router_grad(grad, T, E);
   // Gradients not asked for come back as empty tensors.
   at::Tensor grad_x = at::empty({0}, x.options()), grad_w = at::empty({0}, w.options());
   const auto stream = c10::cuda::getCurrentCUDAStream();
