@@ -1,14 +1,18 @@
 // Argument checks shared by the CPU (moe_cpu.cpp) and CUDA (cuda/*.cu) implementations of an op,
 // so both reject the same inputs with the same message. Schemas and shape letters: bindings.cpp.
-// Defined in checks.cpp (why there and not inline: see that file); CUDA files do not format
-// numbers into messages themselves, they call these.
+// Defined in checks.cpp. Messages put numbers in with text(), not by streaming them (see text()).
 #pragma once
 
 #include <ATen/core/Tensor.h>
 
 #include <optional>
+#include <string>
 
 namespace moetrain {
+
+// A number or a shape as text for an error message.
+std::string text(int64_t value);
+std::string text(at::IntArrayRef values);
 
 // A routing plan: int64 dest[tokens, k].
 void check_plan(const at::Tensor& dest, int64_t tokens, const char* what);

@@ -29,8 +29,8 @@ std::vector<int64_t> row_sources(const at::Tensor& dest, int64_t num_rows) {
   for (int64_t i = 0; i < n; ++i) {
     const int64_t row = d[i];
     if (row < 0) continue;
-    TORCH_CHECK(row < num_rows, "dest row ", row, " out of range for a buffer of ", num_rows, " rows");
-    TORCH_CHECK(source[row] < 0, "dest row ", row, " is the target of two routing entries");
+    TORCH_CHECK(row < num_rows, "dest row ", moetrain::text(row), " out of range for a buffer of ", moetrain::text(num_rows), " rows");
+    TORCH_CHECK(source[row] < 0, "dest row ", moetrain::text(row), " is the target of two routing entries");
     source[row] = i;
   }
   return source;
@@ -52,8 +52,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> route_cpu(const at::Tensor& exper
   // First pass: the slot of each entry inside its expert is the number of earlier entries
   // (in priority order) that chose the same expert.
   for (int64_t i = 0; i < n; ++i) {
-    TORCH_CHECK(e[i] >= 0 && e[i] < num_experts, "route: expert index ", e[i], " out of range [0, ",
-                num_experts, ")");
+    TORCH_CHECK(e[i] >= 0 && e[i] < num_experts, "route: expert index ", moetrain::text(e[i]), " out of range [0, ",
+                moetrain::text(num_experts), ")");
     out[i] = l[e[i]]++;
   }
   std::vector<int64_t> base(num_experts);
@@ -94,8 +94,8 @@ at::Tensor dispatch_cpu(const at::Tensor& x_in, const at::Tensor& dest_in, int64
 }
 
 at::Tensor combine_cpu(const at::Tensor& buf_in, const at::Tensor& dest_in, const c10::optional<at::Tensor>& weight_in) {
-  TORCH_CHECK(buf_in.dim() == 2, "combine: buf must be [rows, dim], got ", buf_in.sizes());
-  TORCH_CHECK(dest_in.dim() == 2, "combine: dest must be [tokens, k], got ", dest_in.sizes());
+  TORCH_CHECK(buf_in.dim() == 2, "combine: buf must be [rows, dim], got ", moetrain::text(buf_in.sizes()));
+  TORCH_CHECK(dest_in.dim() == 2, "combine: dest must be [tokens, k], got ", moetrain::text(dest_in.sizes()));
   auto buf = buf_in.contiguous();
   auto dest = dest_in.contiguous();
   const int64_t tokens = dest.size(0), k = dest.size(1), dim = buf.size(1), rows = buf.size(0);
@@ -122,7 +122,7 @@ at::Tensor combine_cpu(const at::Tensor& buf_in, const at::Tensor& dest_in, cons
         for (int64_t j = 0; j < k; ++j) {
           const int64_t row = d[t * k + j];
           if (row < 0) continue;
-          TORCH_CHECK(row < rows, "combine: dest row ", row, " out of range for ", rows, " rows");
+          TORCH_CHECK(row < rows, "combine: dest row ", moetrain::text(row), " out of range for ", moetrain::text(rows), " rows");
           const acc_t scale = w ? w[t * k + j] : acc_t(1);
           const scalar_t* src = b + row * dim;
           for (int64_t c = 0; c < dim; ++c) acc[c] += scale * static_cast<acc_t>(src[c]);
