@@ -264,7 +264,11 @@ def bench_shape(shape: Shape, device: torch.device, dtype: torch.dtype, capacity
         step = _forward_backward(fn, x_TD, fn_params)
         if name == "compiled":
             begin = time.perf_counter()
-            step()  # traces and compiles: not timed
+            try:
+                step()  # traces and compiles: not timed
+            except Exception as error:  # noqa: BLE001 - torch.compile's failure is a result of this column
+                result["compiled_error"] = f"{type(error).__name__}: {str(error).strip().splitlines()[0][:200]}"
+                continue
             result["compile_s"] = time.perf_counter() - begin
         ms = _time_steps(step, device, warmup, steps)
         result[name] = {"ms": ms, "tflops": shape.useful_flops() / (ms * 1e-3) / 1e12}
@@ -307,6 +311,8 @@ def gpu_table(results: list[dict], ceiling: float) -> str:
             f"{r['shape']['name']} {r['compiled']['tflops']:.0f} TFLOP/s ({r['compiled']['tflops'] / ceiling:.0%}, "
             f"{r['compiled']['tflops'] / r['grouped_mm']['tflops'] if 'grouped_mm' in r else float('nan'):.2f}x grouped, "
             f"compiled in {r['compile_s']:.0f} s)" for r in compiled))
+    lines += [f"torch.compile(layer) failed on {r['shape']['name']}: {r['compiled_error']}"
+              for r in results if "compiled_error" in r]
     return "\n".join(lines)
 
 

@@ -54,6 +54,18 @@ def test_cli_runs_on_cpu_and_writes_json(tmp_path, monkeypatch, capsys):
     assert "torch/kernel" in capsys.readouterr().out
 
 
+def test_compile_column_times_the_compiled_layer(tmp_path, monkeypatch, capsys):
+    tiny = bench.Shape("tiny", tokens=64, model_dim=16, hidden_size=32, num_experts=4, top_k=2)
+    monkeypatch.setitem(bench.CPU_SHAPES, "tiny", tiny)
+    out = tmp_path / "bench.json"
+    bench.main(["--device", "cpu", "--shapes", "tiny", "--steps", "2", "--warmup", "1", "--compile", "default",
+                "--json", str(out)])
+    (result,) = json.loads(out.read_text())["results"]
+    assert "compiled_error" not in result, result.get("compiled_error")
+    assert result["compiled"]["ms"] > 0 and result["compile_s"] > 0
+    assert "torch.compile(layer): tiny" in capsys.readouterr().out
+
+
 def test_cli_rejects_unknown_shape():
     with pytest.raises(SystemExit) as error:
         bench.main(["--device", "cpu", "--shapes", "mixtral"])
