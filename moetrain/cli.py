@@ -45,6 +45,7 @@ import moetrain
 from moetrain.config import Config, ConfigError, GateType, Mode, did_you_mean, moe_kwargs, validate
 from moetrain.data import DataModule
 from moetrain.moe import EXPERTS
+from moetrain.ops import ExtensionUnavailable
 from moetrain.parallel.launch import choose_backend, init_from_torchrun, spawn
 from moetrain.parallel.training import Distributed
 from moetrain.train import NonFiniteLoss, Trainer, resolve_device, seed_everything
@@ -248,7 +249,7 @@ def _instantiate(group: str, node: dict, **kwargs):
         return hydra.utils.instantiate(node, **kwargs, _convert_="all")
     except InstantiationException as error:
         cause = error.__cause__
-        if isinstance(cause, ConfigError):
+        if isinstance(cause, (ConfigError, ExtensionUnavailable)):
             raise cause from None
         raise ConfigError(f"{group} ({node['_target_']}): {_one_line(cause or error)}") from None
 
@@ -300,6 +301,10 @@ def _train_reporting(cfg: DictConfig, run_dir: Path, distributed: bool, report: 
     its one line: in several processes only rank 0 reports, the others exit with the same code)."""
     try:
         train(cfg, run_dir, distributed)
+    except ExtensionUnavailable as error:  # a setup problem, said in one line with its fix
+        if report:
+            _fail(f"{error} (on the command line: gate.impl=torch)", EXIT_CONFIG_ERROR)
+        sys.exit(EXIT_CONFIG_ERROR)
     except (ConfigError, NonFiniteLoss) as error:
         code = EXIT_CONFIG_ERROR if isinstance(error, ConfigError) else EXIT_TRAINING_FAILED
         if report:

@@ -171,6 +171,19 @@ def test_interrupted_run_says_how_to_resume(monkeypatch, capsys, tmp_path):
     assert line.endswith(f"{' '.join(argv)} hydra.run.dir={run_dir.resolve()} trainer.resume=auto"), line
 
 
+def test_missing_kernels_stop_with_one_line_and_the_fix(monkeypatch, capsys, tmp_path):
+    """A machine where the compiled kernels cannot load: one line that says so and how to go on."""
+    from moetrain.ops import extension
+
+    monkeypatch.setattr(extension, "_module", None)
+    monkeypatch.setattr(extension, "_error", "moetrain's compiled kernels are unavailable: (simulated)")
+    with pytest.raises(SystemExit) as exit_info:
+        run_in_process(["+recipe=quickstart", *TINY_RUN, *TINY_SYNTHETIC, "logger=none"], monkeypatch, tmp_path)
+    assert exit_info.value.code == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith("moetrain: error: moetrain's compiled kernels are unavailable") and "gate.impl=torch" in line
+
+
 def test_help_lists_groups_and_recipes(monkeypatch, capsys):
     monkeypatch.setattr(sys, "argv", ["moetrain", "--help"])
     with pytest.raises(SystemExit) as exit_info:
