@@ -85,3 +85,26 @@ def test_fake_kernels_give_the_real_shapes_and_dtypes():
             outputs = outputs if isinstance(outputs, tuple) else (outputs,)
             expected = real[name] if isinstance(real[name], tuple) else (real[name],)
             assert [(o.shape, o.dtype) for o in outputs] == [(e.shape, e.dtype) for e in expected], name
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("capacity_factor,expert", [(1.0, "ffn"), (0.0, "swiglu")])
+def test_compiled_layer_matches_eager_on_cuda(capacity_factor, expert):
+    """The CUDA path traced: the fp32 router kernel on bf16 activations, the fused epilogue and its
+    one-pass backward (padded), torch._grouped_mm (dropless)."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    layer = _layer(capacity_factor=capacity_factor, expert=expert, num_shared_experts=1).cuda().bfloat16()
+    layer.gate.float()
+    eager = copy.deepcopy(layer)
+    compiled = torch.compile(layer, backend="aot_eager")
+    x = torch.randn(256, 32, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    x_ref = x.detach().clone().requires_grad_()
+    y = compiled(x)
+    (y.float().square().sum() + layer.aux_loss).backward()
+    y_ref = eager(x_ref)
+    (y_ref.float().square().sum() + eager.aux_loss).backward()
+    torch.testing.assert_close(y, y_ref)
+    torch.testing.assert_close(x.grad, x_ref.grad)
+    for (name, p), p_ref in zip(layer.named_parameters(), eager.parameters()):
+        torch.testing.assert_close(p.grad, p_ref.grad, msg=name)
