@@ -26,7 +26,6 @@
 #include <limits>
 #include <optional>
 #include <tuple>
-#include <type_traits>
 
 #include "../checks.h"
 #include "rows.cuh"
@@ -80,18 +79,9 @@ void bias_act_cuda(at::Tensor& y, const at::Tensor& bias, int64_t rows_per_exper
           y.data_ptr<scalar_t>(), b.data_ptr<scalar_t>(), vectors, per_row, per_row * rows_per_expert);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     };
-    auto with_width = [&](auto with_relu) {
-      if (width == 16 / static_cast<int>(sizeof(scalar_t))) {
-        launch(std::integral_constant<int, 16 / sizeof(scalar_t)>{}, with_relu);
-      } else {
-        launch(std::integral_constant<int, 1>{}, with_relu);
-      }
-    };
-    if (relu) {
-      with_width(std::true_type{});
-    } else {
-      with_width(std::false_type{});
-    }
+    with_flag(relu, [&](auto with_relu) {
+      with_vector_width<scalar_t>(width, [&](auto vec) { launch(vec, with_relu); });
+    });
   });
 }
 
@@ -329,18 +319,9 @@ std::tuple<at::Tensor, at::Tensor> bias_act_backward_cuda(const at::Tensor& grad
         C10_CUDA_KERNEL_LAUNCH_CHECK();
       }
     };
-    auto with_width = [&](auto with_relu) {
-      if (width == 16 / static_cast<int>(sizeof(scalar_t))) {
-        launch(std::integral_constant<int, 16 / sizeof(scalar_t)>{}, with_relu);
-      } else {
-        launch(std::integral_constant<int, 1>{}, with_relu);
-      }
-    };
-    if (relu) {
-      with_width(std::true_type{});
-    } else {
-      with_width(std::false_type{});
-    }
+    with_flag(relu, [&](auto with_relu) {
+      with_vector_width<scalar_t>(width, [&](auto vec) { launch(vec, with_relu); });
+    });
   });
   return {grad_in, grad_bias};
 }

@@ -31,17 +31,6 @@ namespace {
 constexpr int kThreads = 256;
 constexpr unsigned kFullWarp = 0xffffffffu;
 
-// Instantiate fn for the wide vector of scalar_t or for single elements.
-template <typename scalar_t, typename Fn>
-void with_vector_width(int width, const Fn& fn) {
-  constexpr int kWide = 16 / sizeof(scalar_t);
-  if (width == kWide) {
-    fn(std::integral_constant<int, kWide>{});
-  } else {
-    fn(std::integral_constant<int, 1>{});
-  }
-}
-
 // ---------------------------------------------------------------------------------------------
 // route: the slot of each entry inside its expert is the number of earlier entries (in priority
 // order) that chose the same expert, i.e. a stable counting sort. Three launches:
@@ -368,15 +357,13 @@ std::tuple<at::Tensor, at::Tensor> combine_backward_cuda(const at::Tensor& grad_
       constexpr int VEC = decltype(vec)::value;
       const auto launch = row_launch(num_rows, std::max<int64_t>(1, dim / VEC));
       const auto stream = c10::cuda::getCurrentCUDAStream();
-      if (weight_grad) {
-        combine_backward_kernel<scalar_t, acc_t, VEC, true><<<launch.grid, launch.block, 0, stream>>>(
+      with_flag(weight_grad, [&](auto with_weight_grad) {
+        constexpr bool WEIGHT_GRAD = decltype(with_weight_grad)::value;
+        combine_backward_kernel<scalar_t, acc_t, VEC, WEIGHT_GRAD><<<launch.grid, launch.block, 0, stream>>>(
             grad_y.data_ptr<scalar_t>(), buf_ptr, source.data_ptr<int64_t>(), weight.data_ptr<acc_t>(), num_rows,
-            static_cast<int>(k), dim / VEC, grad_buf.data_ptr<scalar_t>(), grad_weight.data_ptr<acc_t>());
-      } else {
-        combine_backward_kernel<scalar_t, acc_t, VEC, false><<<launch.grid, launch.block, 0, stream>>>(
-            grad_y.data_ptr<scalar_t>(), nullptr, source.data_ptr<int64_t>(), weight.data_ptr<acc_t>(), num_rows,
-            static_cast<int>(k), dim / VEC, grad_buf.data_ptr<scalar_t>(), nullptr);
-      }
+            static_cast<int>(k), dim / VEC, grad_buf.data_ptr<scalar_t>(),
+            WEIGHT_GRAD ? grad_weight.data_ptr<acc_t>() : nullptr);
+      });
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     });
   });

@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <initializer_list>
+#include <type_traits>
 
 namespace moetrain {
 
@@ -33,6 +34,28 @@ inline int vector_width(int64_t dim, int64_t element_size, std::initializer_list
     if (p != nullptr && reinterpret_cast<uintptr_t>(p) % 16 != 0) return 1;
   }
   return static_cast<int>(width);
+}
+
+// Instantiates fn for the wide vector of scalar_t (width as vector_width returned it) or for single
+// elements: fn(std::integral_constant<int, VEC>).
+template <typename scalar_t, typename Fn>
+void with_vector_width(int width, const Fn& fn) {
+  constexpr int kWide = 16 / sizeof(scalar_t);
+  if (width == kWide) {
+    fn(std::integral_constant<int, kWide>{});
+  } else {
+    fn(std::integral_constant<int, 1>{});
+  }
+}
+
+// A runtime flag as a compile-time one: fn(std::true_type) or fn(std::false_type).
+template <typename Fn>
+void with_flag(bool flag, const Fn& fn) {
+  if (flag) {
+    fn(std::true_type{});
+  } else {
+    fn(std::false_type{});
+  }
 }
 
 // Threads along a row (x, a multiple of the warp so that no warp spans two rows) times rows per
