@@ -20,8 +20,6 @@ std::string text(at::IntArrayRef values) {
   return out + "]";
 }
 
-
-// A routing plan: int64 dest[tokens, k].
 void check_plan(const at::Tensor& dest, int64_t tokens, const char* what) {
   TORCH_CHECK(dest.scalar_type() == at::kLong, what, ": dest must be int64, got ", dest.scalar_type());
   TORCH_CHECK(dest.dim() == 2 && dest.size(0) == tokens, what, ": dest must be [tokens, k] with tokens=", text(tokens),
@@ -35,8 +33,6 @@ void check_route(const at::Tensor& expert_idx, int64_t num_experts, int64_t capa
   TORCH_CHECK(packed || capacity >= 0, "route: the padded layout needs a capacity >= 0");
 }
 
-// bias_act_: y contiguous [..., O] with experts * rows_per_expert rows, bias [experts, O] of y's
-// dtype on y's device. Returns the number of rows.
 int64_t check_bias_act(const at::Tensor& y, const at::Tensor& bias, int64_t rows_per_expert) {
   TORCH_CHECK(y.dim() >= 1 && y.is_contiguous(), "bias_act_: y must be contiguous, got strides ", text(y.strides()));
   const int64_t dim = y.size(-1);
@@ -51,8 +47,6 @@ int64_t check_bias_act(const at::Tensor& y, const at::Tensor& bias, int64_t rows
   return rows;
 }
 
-// bias_act_backward: grad [..., O] with experts * rows_per_expert rows, of a floating dtype; out, when
-// given, the forward's output of grad's shape, dtype and device. Returns the number of experts.
 int64_t check_bias_act_backward(const at::Tensor& grad, const std::optional<at::Tensor>& out, int64_t rows_per_expert) {
   const auto dtype = grad.scalar_type();
   TORCH_CHECK(dtype == at::kFloat || dtype == at::kDouble || dtype == at::kHalf || dtype == at::kBFloat16,

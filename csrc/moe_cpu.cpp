@@ -94,8 +94,7 @@ at::Tensor dispatch_cpu(const at::Tensor& x_in, const at::Tensor& dest_in, int64
 }
 
 at::Tensor combine_cpu(const at::Tensor& buf_in, const at::Tensor& dest_in, const c10::optional<at::Tensor>& weight_in) {
-  TORCH_CHECK(buf_in.dim() == 2, "combine: buf must be [rows, dim], got ", moetrain::text(buf_in.sizes()));
-  TORCH_CHECK(dest_in.dim() == 2, "combine: dest must be [tokens, k], got ", moetrain::text(dest_in.sizes()));
+  moetrain::check_combine(buf_in, dest_in, weight_in, at::toOpMathType(buf_in.scalar_type()));
   auto buf = buf_in.contiguous();
   auto dest = dest_in.contiguous();
   const int64_t tokens = dest.size(0), k = dest.size(1), dim = buf.size(1), rows = buf.size(0);
@@ -106,10 +105,6 @@ at::Tensor combine_cpu(const at::Tensor& buf_in, const at::Tensor& dest_in, cons
     const acc_t* w = nullptr;
     if (weight_in.has_value()) {
       weight = weight_in->contiguous();
-      TORCH_CHECK(weight.scalar_type() == c10::CppTypeToScalarType<acc_t>::value,
-                  "combine: weight must be ", c10::CppTypeToScalarType<acc_t>::value, " for ", buf.scalar_type(),
-                  " buffers, got ", weight.scalar_type());
-      TORCH_CHECK(weight.sizes() == dest.sizes(), "combine: weight must have dest's shape");
       w = weight.data_ptr<acc_t>();
     }
     const scalar_t* b = buf.data_ptr<scalar_t>();
@@ -138,7 +133,8 @@ at::Tensor combine_cpu(const at::Tensor& buf_in, const at::Tensor& dest_in, cons
 std::tuple<at::Tensor, at::Tensor> combine_backward_cpu(const at::Tensor& grad_y_in, const at::Tensor& buf_in,
                                                         const at::Tensor& dest_in, const at::Tensor& weight_in,
                                                         int64_t num_rows, bool weight_grad) {
-  moetrain::check_plan(dest_in, grad_y_in.size(0), "combine_backward");
+  moetrain::check_combine_backward(grad_y_in, buf_in, dest_in, weight_in, num_rows, weight_grad,
+                                   at::toOpMathType(grad_y_in.scalar_type()));
   auto grad_y = grad_y_in.contiguous();
   auto dest = dest_in.contiguous();
   auto weight = weight_in.contiguous();
@@ -148,8 +144,6 @@ std::tuple<at::Tensor, at::Tensor> combine_backward_cpu(const at::Tensor& grad_y
   const auto source = row_sources(dest, num_rows);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, grad_y.scalar_type(), "moetrain_combine_backward", [&] {
     using acc_t = at::opmath_type<scalar_t>;
-    TORCH_CHECK(weight.scalar_type() == c10::CppTypeToScalarType<acc_t>::value,
-                "combine_backward: weight dtype must be the op-math type of the buffer");
     const scalar_t* g = grad_y.data_ptr<scalar_t>();
     const acc_t* w = weight.data_ptr<acc_t>();
     scalar_t* gb = grad_buf.data_ptr<scalar_t>();
@@ -168,8 +162,6 @@ std::tuple<at::Tensor, at::Tensor> combine_backward_cpu(const at::Tensor& grad_y
     });
     if (weight_grad) {
       auto buf = buf_in.contiguous();
-      TORCH_CHECK(buf.scalar_type() == grad_y.scalar_type() && buf.size(1) == dim,
-                  "combine_backward: buf must match grad_y's dtype and dim");
       const scalar_t* b = buf.data_ptr<scalar_t>();
       const int64_t* d = dest.data_ptr<int64_t>();
       acc_t* gw = grad_weight.data_ptr<acc_t>();
