@@ -13,6 +13,7 @@ reference (impl="torch"); both compute the same function.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -142,10 +143,9 @@ class MoELayer(nn.Module):
 
         # Routers compute in fp32 (Switch Transformer's selective precision), under autocast too:
         # a bf16 router matmul would flip near-tied choices.
-        if torch.is_autocast_enabled(x_TD.device.type):
-            with torch.autocast(x_TD.device.type, enabled=False):
-                routed = self.gate(x_TD, top_k)
-        else:
+        # (Leaving autocast costs a context switch, so only when it is on.)
+        device = x_TD.device.type
+        with torch.autocast(device, enabled=False) if torch.is_autocast_enabled(device) else contextlib.nullcontext():
             routed = self.gate(x_TD, top_k)
         plan = make_plan(routed.topk_idx_TK, routed.topk_weight_TK, self.num_experts, cf, self.batch_prioritized, self.impl)
         buf_RD = ops.dispatch(x_TD, plan.dest_TK, plan.num_rows, impl=self.impl)
