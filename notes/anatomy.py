@@ -10,7 +10,6 @@ and, from the profiler, the GPU time per kernel category in one eager step.
 
 from __future__ import annotations
 
-import statistics
 import sys
 
 import torch
@@ -18,17 +17,9 @@ import torch
 from moetrain import bench
 
 
-def median_ms(fn, steps=20, warmup=5):
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    pairs = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(steps)]
-    for start, end in pairs:
-        start.record()
-        fn()
-        end.record()
-    torch.cuda.synchronize()
-    return statistics.median(s.elapsed_time(e) for s, e in pairs)
+def median_ms(fn):
+    """Median CUDA-event milliseconds of fn, timed as moetrain.bench times a step."""
+    return bench._time_steps(fn, torch.device("cuda"), warmup=5, steps=20)
 
 
 def category(name: str) -> str:

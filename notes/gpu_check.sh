@@ -10,26 +10,9 @@ out=${1:?usage: bash notes/gpu_check.sh OUTDIR [bench arguments]}
 shift
 steps=" ${STEPS:-tests bench memcheck diagnose} "
 want() { [[ "$steps" == *" $1 "* ]]; }
-mkdir -p "$out"
-export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-
-{
-  nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,clocks.mem --format=csv
-  python3 -c "import sys, torch; print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda)"
-  nvcc --version | tail -1
-  date -u
-} > "$out/env.txt" 2>&1
-cat "$out/env.txt"
-
-# pip install maps csrc/ to the package moetrain.csrc; a bare checkout gets the same through a link,
-# so the kernels are JIT-built for this machine's torch exactly as for an installed package.
-python3 -c "import moetrain.csrc" 2>/dev/null || ln -sfn ../csrc moetrain/csrc
-
-echo "== build (JIT)"
-start=$SECONDS
-timeout 300 python3 -c "from moetrain import ops; ops.load(); print('CUDA kernels:', ops.has_cuda_kernels())" \
-  > "$out/build.log" 2>&1
-echo "build rc=$? in $((SECONDS - start)) s"; tail -3 "$out/build.log"
+source notes/gpu_lib.sh
+gpu_start "$out"
+gpu_build "$out"
 
 if want tests; then
   echo "== tests"

@@ -14,25 +14,9 @@ set -u
 out=${1:?usage: bash notes/gpu_parallel.sh OUTDIR}
 steps=" ${STEPS:-check tests bench channels} "
 want() { [[ "$steps" == *" $1 "* ]]; }
-mkdir -p "$out"
-export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-
-{
-  nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm --format=csv
-  nvidia-smi topo -m
-  python3 -c "import sys, torch; print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda, 'nccl', torch.cuda.nccl.version())"
-  date -u
-} > "$out/env.txt" 2>&1
-head -4 "$out/env.txt"
-
-# pip install maps csrc/ to the package moetrain.csrc; a bare checkout gets the same through a link.
-python3 -c "import moetrain.csrc" 2>/dev/null || ln -sfn ../csrc moetrain/csrc
-
-echo "== build (JIT)"
-start=$SECONDS
-timeout 300 python3 -c "from moetrain import ops; ops.load(); print('CUDA kernels:', ops.has_cuda_kernels())" \
-  > "$out/build.log" 2>&1
-echo "build rc=$? in $((SECONDS - start)) s"; tail -1 "$out/build.log"
+source notes/gpu_lib.sh
+gpu_start "$out" nvidia-smi topo -m
+gpu_build "$out"
 
 if want check; then
   echo "== NCCL equivalence (python -m moetrain.parallel.check --nproc 2)"

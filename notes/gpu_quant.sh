@@ -7,25 +7,15 @@
 # (about 4 minutes, at most 6.7), so a run cut short still leaves the first results.
 set -u
 out=${1:?usage: bash notes/gpu_quant.sh OUTDIR}
-mkdir -p "$out"
-export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-
-{
-  nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,clocks.mem --format=csv
-  python3 -c "import sys, torch, triton; print('python', sys.version.split()[0], 'torch', torch.__version__, 'triton', triton.__version__)"
-  git log -1 --format='commit %h %s' 2>/dev/null
-  date -u
-} > "$out/env.txt" 2>&1
-cat "$out/env.txt"
+source notes/gpu_lib.sh
+gpu_start "$out"
 
 echo "== tests (tests/test_quant*.py)"
 start=$SECONDS
 timeout 150 python3 -m pytest -q -p no:cacheprovider --maxfail=20 --tb=short --durations=5 tests/test_quant_cuda.py \
   tests/test_quant_formats.py tests/test_quant_layer.py > "$out/tests.log" 2>&1
 echo "tests rc=$? in $((SECONDS - start)) s"
-grep -E "^(FAILED|ERROR)|passed|failed" "$out/tests.log" | tail -25
-# The first failure's traceback, short, for a first look.
-sed -n '/= FAILURES =/,$p' "$out/tests.log" | sed -n '2,/^___/p' | tail -40
+test_summary "$out/tests.log"
 
 echo "== bench (python -m moetrain.quant.bench)"
 start=$SECONDS

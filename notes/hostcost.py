@@ -16,6 +16,7 @@ import time
 
 import torch
 
+from anatomy import median_ms  # notes/, this script's folder
 from moetrain import bench
 
 
@@ -30,19 +31,6 @@ def host_ms(step, n=20):
     return statistics.median(times)
 
 
-def event_ms(step, n=20):
-    for _ in range(5):
-        step()
-    torch.cuda.synchronize()
-    pairs = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(n)]
-    for start, end in pairs:
-        start.record()
-        step()
-        end.record()
-    torch.cuda.synchronize()
-    return statistics.median(s.elapsed_time(e) for s, e in pairs)
-
-
 def run(shape):
     device = torch.device("cuda")
     torch.manual_seed(1)
@@ -50,7 +38,7 @@ def run(shape):
     layer = bench.build_layer(shape, device, torch.bfloat16, 1.0, impl="kernel")
     params = list(layer.parameters())
     step = bench._forward_backward(layer, x_TD, params)
-    gpu = event_ms(step)
+    gpu = median_ms(step)
     host = host_ms(step)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]) as prof:
         for _ in range(3):
@@ -78,7 +66,7 @@ def run(shape):
     torch._dynamo.reset()
     compiled = bench._forward_backward(torch.compile(layer), x_TD, params)
     compiled()
-    print(f"  torch.compile: step {event_ms(compiled):.3f} ms (events), host issue {host_ms(compiled):.3f} ms")
+    print(f"  torch.compile: step {median_ms(compiled):.3f} ms (events), host issue {host_ms(compiled):.3f} ms")
 
 
 def main(names):

@@ -9,23 +9,12 @@ then after gc.collect() + empty_cache(), then with the garbage collector off.
 from __future__ import annotations
 
 import gc
-import statistics
 import time
 
 import torch
 
+from hostcost import host_ms  # notes/, this script's folder
 from moetrain import bench
-
-
-def host_ms(step, n=20):
-    times = []
-    for _ in range(n):
-        torch.cuda.synchronize()
-        begin = time.perf_counter()
-        step()
-        times.append((time.perf_counter() - begin) * 1e3)
-    torch.cuda.synchronize()
-    return statistics.median(times)
 
 
 def measure(label):
