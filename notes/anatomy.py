@@ -37,26 +37,20 @@ def category(name: str) -> str:
     return "other"
 
 
-def anatomy(shape):
+def layer_step(shape):
+    """The benchmark's moetrain column for one shape: (layer, x_TD, params, step)."""
     device = torch.device("cuda")
     torch.manual_seed(1)
     x_TD = torch.randn(shape.tokens, shape.model_dim, device=device, dtype=torch.bfloat16, requires_grad=True)
     layer = bench.build_layer(shape, device, torch.bfloat16, 1.0, impl="kernel")
     params = list(layer.parameters())
-    step = bench._forward_backward(layer, x_TD, params)
+    return layer, x_TD, params, bench._forward_backward(layer, x_TD, params)
+
+
+def anatomy(shape):
+    layer, x_TD, _, step = layer_step(shape)
     eager = median_ms(step)
-
-    e, d, h = shape.num_experts, shape.model_dim, shape.hidden_size
-    cap = shape.tokens * shape.top_k // e
-    xb = torch.randn(e, cap, d, device=device, dtype=torch.bfloat16, requires_grad=True)
-    w1 = torch.randn(e, d, h, device=device, dtype=torch.bfloat16, requires_grad=True)
-    w2 = torch.randn(e, h, d, device=device, dtype=torch.bfloat16, requires_grad=True)
-
-    def gemm_step():
-        out = torch.bmm(torch.bmm(xb, w1), w2)
-        torch.autograd.grad(out, [xb, w1, w2], out)
-
-    gemms = median_ms(gemm_step)
+    gemms = median_ms(bench.gemms_alone(layer, shape, x_TD))  # the bench's "gemms alone" column
 
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         for _ in range(3):

@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from anatomy import median_ms  # notes/, this script's folder
+from anatomy import layer_step, median_ms  # notes/, this script's folder
 from moetrain import bench
 
 
@@ -32,12 +32,7 @@ def host_ms(step, n=20):
 
 
 def run(shape):
-    device = torch.device("cuda")
-    torch.manual_seed(1)
-    x_TD = torch.randn(shape.tokens, shape.model_dim, device=device, dtype=torch.bfloat16, requires_grad=True)
-    layer = bench.build_layer(shape, device, torch.bfloat16, 1.0, impl="kernel")
-    params = list(layer.parameters())
-    step = bench._forward_backward(layer, x_TD, params)
+    layer, x_TD, params, step = layer_step(shape)
     gpu = median_ms(step)
     host = host_ms(step)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]) as prof:

@@ -13,17 +13,14 @@ import time
 
 import torch
 
+from anatomy import layer_step, median_ms  # notes/, this script's folder
 from hostcost import host_ms  # notes/, this script's folder
 from moetrain import bench
 
 
 def measure(label):
-    shape = bench.GPU_SHAPES["switch_top1"]
-    torch.manual_seed(1)
-    x = torch.randn(shape.tokens, shape.model_dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    layer = bench.build_layer(shape, torch.device("cuda"), torch.bfloat16, 1.0, impl="kernel")
-    step = bench._forward_backward(layer, x, list(layer.parameters()))
-    ms = bench._time_steps(step, torch.device("cuda"), 5, 20)
+    step = layer_step(bench.GPU_SHAPES["switch_top1"])[-1]
+    ms = median_ms(step)
     print(f"{label:<40} step {ms:.3f} ms, host issue {host_ms(step):.3f} ms, gc objects {len(gc.get_objects())}, "
           f"reserved {torch.cuda.memory_reserved() / 2**30:.1f} GiB, allocated {torch.cuda.memory_allocated() / 2**30:.1f} GiB",
           flush=True)
