@@ -1,4 +1,8 @@
-"""MoELayer (kernel and torch paths) against a naive loop over tokens and experts."""
+"""MoELayer (kernel and torch paths) against a naive loop over tokens and experts.
+
+The naive loop routes with tests/reference_gates.py (the papers' definitions, reading only the
+gate's parameters), never with the gate under test; expert biases are non-zero and the inputs
+share a common direction, so routing is skewed and tokens really drop under a capacity."""
 
 import math
 
@@ -6,6 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import reference_gates
 from moetrain import MoELayer
 from moetrain.moe import SigmoidGate, is_expert_param, moe_layers, update_router_biases
 
@@ -13,7 +18,7 @@ GATES = {
     "top": {},
     "top_normalized": {"gate": "top", "gate_kwargs": {"normalize": True}},
     "cosine": {"gate": "cosine", "gate_kwargs": {"proj_dim": 8}},
-    "sigmoid": {"gate": "sigmoid", "gate_kwargs": {"n_group": 2, "topk_group": 2, "routed_scaling_factor": 2.5}},
+    "sigmoid": {"gate": "sigmoid", "gate_kwargs": {"n_group": 2, "topk_group": 1, "routed_scaling_factor": 2.5}},
 }
 
 
@@ -25,15 +30,20 @@ def expert_of(layer, e, x_D):
 
 
 def naive_moe(layer, x, top_k, capacity_factor, batch_prioritized=False):
-    """Token by token: who keeps a slot, then the weighted sum of the kept experts' outputs."""
+    """Token by token: the reference gate's choice, who keeps a slot, then the weighted sum of the
+    kept experts' outputs."""
     x_TD = x.reshape(-1, layer.model_dim)
-    routed = layer.gate(x_TD, top_k)
-    idx, weight = routed.topk_idx_TK.tolist(), routed.topk_weight_TK
+    probs, idx_TK, weight, logits = reference_gates.route_like(layer.gate, x_TD, top_k)
+    idx = idx_TK.tolist()
     tokens, experts = x_TD.size(0), layer.num_experts
-    cap = None if capacity_factor == 0 else top_k * math.ceil(abs(capacity_factor) * tokens / experts)
+    # Tutel's capacity, k * int(|cf| * ceil(T / E)), and moetrain's floor of k rows (routing.py).
+    cap = None if capacity_factor == 0 else top_k * max(int(abs(capacity_factor) * math.ceil(tokens / experts)), 1)
     order = list(range(tokens))
-    if batch_prioritized:
-        best = weight.max(-1).values.tolist()
+    if batch_prioritized:  # V-MoE / Tutel: the token's raw top router score goes first
+        if isinstance(layer.gate, SigmoidGate):
+            best = torch.sigmoid(logits).gather(1, idx_TK).max(-1).values.tolist()
+        else:
+            best = probs.max(-1).values.tolist()
         order.sort(key=lambda t: -best[t])
     used = [0] * experts
     keep = [[False] * top_k for _ in range(tokens)]
@@ -56,11 +66,25 @@ def naive_moe(layer, x, top_k, capacity_factor, batch_prioritized=False):
     return torch.stack(rows).view_as(x), dropped, used
 
 
+def skewed(*shape, dtype=torch.float64, seed=11):
+    """Random tokens sharing one common direction, so the router prefers a few experts."""
+    generator = torch.Generator().manual_seed(seed)
+    common = 1.5 * torch.randn(shape[-1], generator=generator, dtype=dtype)
+    return torch.randn(*shape, generator=generator, dtype=dtype) + common
+
+
 def make_layer(gate, impl="kernel", **overrides):
     kwargs = dict(model_dim=12, num_experts=6, hidden_size=10, top_k=2, capacity_factor=1.0, impl=impl)
     kwargs.update(GATES[gate])
     kwargs.update(overrides)
-    return MoELayer(**kwargs)
+    layer = MoELayer(**kwargs)
+    with torch.no_grad():  # non-zero expert biases (a bias on the wrong row must show), and a
+        for name in ("b1", "b2"):  # selection bias for the sigmoid gate
+            if hasattr(layer.experts, name):
+                getattr(layer.experts, name).normal_()
+        if isinstance(layer.gate, SigmoidGate):
+            layer.gate.expert_bias.copy_(0.2 * torch.randn(layer.num_experts))
+    return layer
 
 
 def run_both(gate, x, call_kwargs=None, **overrides):
@@ -81,7 +105,7 @@ def run_both(gate, x, call_kwargs=None, **overrides):
 @pytest.mark.parametrize("capacity_factor", [1.0, 0.5, 0.0, -0.6])
 @pytest.mark.parametrize("shared", [0, 1])
 def test_layer_matches_naive_loop(gate, capacity_factor, shared):
-    x = torch.randn(3, 13, 12, dtype=torch.float64)  # 39 tokens: divisible by nothing useful
+    x = skewed(3, 13, 12)  # 39 tokens: divisible by nothing useful
     results = run_both(gate, x, capacity_factor=capacity_factor, num_shared_experts=shared)
     (kl, kx, ky), (tl, tx, ty) = results["kernel"], results["torch"]
     torch.testing.assert_close(ky, ty)
@@ -95,12 +119,14 @@ def test_layer_matches_naive_loop(gate, capacity_factor, shared):
     assert kl.stats.tokens_per_expert.tolist() == load
     if capacity_factor == 0:
         assert kl.stats.dropped_fraction == 0 and kl.stats.capacity == max(load)
+    else:
+        assert dropped > 0.05  # the capacity really bites, so who keeps a slot is checked
 
 
 @pytest.mark.parametrize("top_k", [1, 2, 3, 5, 8])
 @pytest.mark.parametrize("expert", ["ffn", "swiglu"])
 def test_top_k_and_expert_types(top_k, expert):
-    x = torch.randn(29, 12, dtype=torch.float64)
+    x = skewed(29, 12)
     results = run_both("top", x, num_experts=8, top_k=top_k, expert=expert, capacity_factor=1.25)
     layer, _, y = results["kernel"]
     torch.testing.assert_close(y, results["torch"][2])
@@ -111,7 +137,7 @@ def test_top_k_and_expert_types(top_k, expert):
 def test_gradients_match_naive_loop():
     torch.manual_seed(0)
     layer = make_layer("top", num_shared_experts=1, capacity_factor=0.75).double()
-    x = torch.randn(21, 12, dtype=torch.float64)
+    x = skewed(21, 12)
     grads = []
     for fn in (lambda: layer(x), lambda: naive_moe(layer, x, 2, 0.75)[0]):
         layer.zero_grad()
@@ -151,7 +177,7 @@ def test_many_experts_empty_experts_and_one_hot_expert():
 
 def test_batch_prioritized_keeps_confident_tokens():
     torch.manual_seed(3)
-    x = torch.randn(30, 12, dtype=torch.float64)
+    x = skewed(30, 12)
     results = run_both("top", x, batch_prioritized=True, capacity_factor=0.5)
     layer, _, y = results["kernel"]
     torch.testing.assert_close(y, results["torch"][2])
@@ -159,6 +185,21 @@ def test_batch_prioritized_keeps_confident_tokens():
         want, dropped, _ = naive_moe(layer, x, 2, 0.5, batch_prioritized=True)
     torch.testing.assert_close(y, want)
     assert dropped > 0
+
+
+def test_eval_mode_is_deterministic_and_jitter_free():
+    """Switch jitter is training-time noise: in eval mode two calls agree exactly and equal the
+    noiseless reference; in training the noise changes the output."""
+    torch.manual_seed(8)
+    layer = make_layer("top", gate_kwargs={"jitter_eps": 0.3}, capacity_factor=0.0).double()
+    x = skewed(40, 12)
+    layer.eval()
+    first, second = layer(x), layer(x)
+    assert torch.equal(first, second)
+    with torch.no_grad():
+        torch.testing.assert_close(first, naive_moe(layer, x, 2, 0.0)[0])
+    layer.train()
+    assert not torch.allclose(layer(x), first)
 
 
 def test_per_call_overrides_and_bf16():
@@ -177,7 +218,7 @@ def test_losses_match_hand_formulas():
     layer = MoELayer(model_dim=8, num_experts=5, hidden_size=4, top_k=2, balance_loss_weight=0.3, z_loss_weight=0.07)
     x = torch.randn(11, 8)
     layer(x)
-    logits = x @ layer.gate.weight_ED.t()
+    logits = x @ layer.gate.weight_ED.detach().t()
     probs = torch.softmax(logits, -1)
     chosen = probs.topk(2, -1).indices.flatten().tolist()
     balance = 5 * sum(chosen.count(e) / 22 * probs[:, e].mean() for e in range(5))
