@@ -23,6 +23,14 @@ class GateOutput:
     probs_TE: torch.Tensor  # per-token distribution over experts, fp32 (the balance loss reads it)
     topk_idx_TK: torch.Tensor  # int64 chosen experts, best first
     topk_weight_TK: torch.Tensor  # fp32 weights that combine the chosen experts' outputs
+    # Score that batch-prioritized routing orders tokens by, highest first; None: Tutel's, see priority().
+    priority_T: torch.Tensor | None = None
+
+    def priority(self) -> torch.Tensor:
+        """[T] batch-prioritized routing's score: priority_T when the gate set one, else Tutel's, the
+        token's largest router probability (for a softmax gate its raw top-1 probability, whatever
+        renormalisation the k combine weights get)."""
+        return self.priority_T if self.priority_T is not None else self.probs_TE.amax(dim=-1)
 
 
 class Gate(nn.Module):
@@ -80,7 +88,8 @@ def router_float(x: torch.Tensor) -> torch.Tensor:
 
 
 def softmax_topk(logits_TE: torch.Tensor, top_k: int, normalize: bool) -> GateOutput:
-    """Softmax over experts in fp32, then the k largest probabilities (Switch k=1, GShard k=2)."""
+    """Softmax over experts in fp32, then the k largest probabilities (Switch k=1, GShard k=2),
+    renormalised to sum to one with normalize. Batch priority stays the raw top probability."""
     probs_TE = torch.softmax(logits_TE, dim=-1)
     weight_TK, idx_TK = torch.topk(probs_TE, top_k, dim=-1)
     if normalize:

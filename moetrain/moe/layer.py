@@ -8,7 +8,8 @@
     layer.stats.tokens_per_expert, layer.stats.dropped_fraction
 
 Dispatch and combine run the compiled kernels (impl="kernel", the default) or the pure-torch
-reference (impl="torch"); both compute the same function.
+reference (impl="torch"); both compute the same function. An empty batch (no tokens) gives an empty
+output and zero losses, forward and backward, on every path.
 """
 
 from __future__ import annotations
@@ -147,7 +148,8 @@ class MoELayer(nn.Module):
         device = x_TD.device.type
         with torch.autocast(device, enabled=False) if torch.is_autocast_enabled(device) else contextlib.nullcontext():
             routed = self.gate(x_TD, top_k)
-        plan = make_plan(routed.topk_idx_TK, routed.topk_weight_TK, self.num_experts, cf, self.batch_prioritized, self.impl)
+        priority_T = routed.priority() if self.batch_prioritized else None
+        plan = make_plan(routed.topk_idx_TK, priority_T, self.num_experts, cf, self.batch_prioritized, self.impl)
         buf_RD = ops.dispatch(x_TD, plan.dest_TK, plan.num_rows, impl=self.impl)
         out_RD = self.run_experts(buf_RD, plan, adaptive_r, a2a_ffn_overlap_degree)
         y_TD = ops.combine(out_RD, plan.dest_TK, routed.topk_weight_TK, impl=self.impl)

@@ -1,21 +1,28 @@
 """From the gate's top-k choice to a routing plan: which buffer row each choice lands in.
 
-Capacity follows Tutel's semantics:
-  capacity_factor > 0   each expert takes at most k * ceil(cf * T / E) rows, padded to exactly
+Capacity follows Tutel's semantics (tutel.impls.fast_dispatch.extract_critical), with T tokens,
+E experts, k choices per token:
+  capacity_factor > 0   each expert takes at most k * int(cf * ceil(T / E)) rows, padded to exactly
                         that many (the layout is E blocks of `capacity` rows: batched matmul);
   capacity_factor == 0  dropless: every choice is kept, experts' rows are packed back to back;
-  capacity_factor < 0   dropless but capped at k * ceil(|cf| * T / E) rows per expert, packed.
+  capacity_factor < 0   dropless but capped at k * int(|cf| * ceil(T / E)) rows per expert, packed
+                        (Tutel pads to min(largest load, that cap); the same choices are kept).
+The one difference: where int(|cf| * ceil(T / E)) is 0 (a small |cf| or few tokens, and T = 0),
+Tutel's capacity is 0 and its dispatch fails; moetrain takes k rows per expert (one per choice
+rank), so every call has a plan and an empty batch gives an empty output.
 Choices over capacity are dropped: the token gets no output from that expert (its other choices
 and the residual path still carry it) and the drop is counted in the layer's statistics.
 
 Priority decides who keeps a slot when an expert overflows. By default all first choices come
-before all second choices, each in token order. Batch-prioritized routing (V-MoE) orders the
-tokens by their best gate weight instead, so confident tokens keep their slots first.
+before all second choices, each in token order. Batch-prioritized routing (V-MoE, Tutel's
+batch_prioritized_routing) orders the tokens of each choice rank by their priority score instead,
+so confident tokens keep their slots first. The score is the gate's (GateOutput.priority): Tutel's,
+the token's largest router probability, which is the raw top-1 probability, before any
+renormalisation of the k weights.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -33,12 +40,16 @@ class RoutingPlan:
 
 
 def capacity_limit(capacity_factor: float, tokens: int, num_experts: int, top_k: int) -> int:
-    """k * ceil(|cf| * T / E): the per-expert row limit for a non-zero capacity factor."""
-    return top_k * math.ceil(abs(capacity_factor) * tokens / num_experts)
+    """k * int(|cf| * ceil(T / E)), Tutel's per-expert row limit for a non-zero capacity factor, or k
+    where that is 0 (see the top of this file)."""
+    per_choice = int(abs(capacity_factor) * ((tokens + num_experts - 1) // num_experts))
+    return top_k * max(per_choice, 1)
 
 
-def make_plan(topk_idx_TK: torch.Tensor, topk_weight_TK: torch.Tensor, num_experts: int, capacity_factor: float,
+def make_plan(topk_idx_TK: torch.Tensor, priority_T: torch.Tensor | None, num_experts: int, capacity_factor: float,
               batch_prioritized: bool = False, impl: str = "kernel") -> RoutingPlan:
+    """priority_T: the scores batch-prioritized routing orders tokens by (highest first); read only
+    when batch_prioritized (GateOutput.priority())."""
     tokens, top_k = topk_idx_TK.shape
     if capacity_factor > 0:
         capacity, packed = capacity_limit(capacity_factor, tokens, num_experts, top_k), False
@@ -48,7 +59,10 @@ def make_plan(topk_idx_TK: torch.Tensor, topk_weight_TK: torch.Tensor, num_exper
         capacity, packed = -1, True
     order_T = None
     if batch_prioritized:
-        order_T = torch.argsort(topk_weight_TK.max(dim=-1).values, descending=True, stable=True)
+        if priority_T is None or priority_T.shape != (tokens,):
+            shape = None if priority_T is None else tuple(priority_T.shape)
+            raise ValueError(f"batch-prioritized routing needs one priority score per token, shape ({tokens},); got {shape}")
+        order_T = torch.argsort(priority_T, descending=True, stable=True)
         expert_idx_KT = topk_idx_TK.t()[:, order_T]
     else:
         expert_idx_KT = topk_idx_TK.t()

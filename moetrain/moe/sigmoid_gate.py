@@ -51,13 +51,16 @@ class SigmoidGate(Gate):
         if self.n_group > 1:
             if top_k > (self.num_experts // self.n_group) * self.topk_group:
                 raise ValueError(f"top_k={top_k} exceeds the experts in the topk_group={self.topk_group} groups kept")
-            grouped_TGX = choice_TE.view(choice_TE.size(0), self.n_group, -1)
+            grouped_TGX = choice_TE.view(choice_TE.size(0), self.n_group, self.num_experts // self.n_group)
             group_score_TG = grouped_TGX.topk(min(2, grouped_TGX.size(-1)), dim=-1).values.sum(-1)
             keep_TG = torch.zeros_like(group_score_TG, dtype=torch.bool)
             keep_TG.scatter_(1, group_score_TG.topk(self.topk_group, dim=-1).indices, True)
             choice_TE = grouped_TGX.masked_fill(~keep_TG.unsqueeze(-1), float("-inf")).view_as(choice_TE)
         idx_TK = choice_TE.topk(top_k, dim=-1).indices
         weight_TK = scores_TE.gather(1, idx_TK)
+        # Batch priority: the largest raw affinity among the choices (before renormalising and
+        # scaling), as the softmax gates' is the raw top probability.
+        priority_T = weight_TK.amax(dim=-1)
         if self.normalize:
             weight_TK = weight_TK / (weight_TK.sum(-1, keepdim=True) + 1e-20)
         weight_TK = weight_TK * self.routed_scaling_factor
@@ -65,7 +68,7 @@ class SigmoidGate(Gate):
             self.pending_load += choice_counts(idx_TK, self.num_experts, self.pending_load.dtype)
         # The balance loss sees the affinities normalised per token (DeepSeek-V3's sequence-wise loss).
         probs_TE = scores_TE / scores_TE.sum(-1, keepdim=True)
-        return GateOutput(logits_TE, probs_TE, idx_TK, weight_TK)
+        return GateOutput(logits_TE, probs_TE, idx_TK, weight_TK, priority_T)
 
     @torch.no_grad()
     def update_bias(self) -> None:
