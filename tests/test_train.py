@@ -149,13 +149,15 @@ def test_checkpoints_are_written_whole_and_pruned(tmp_path):
     files = checkpoint.checkpoints(tmp_path / "checkpoints")
     assert [f.name for f in files] == ["step_00000002.pt", "step_00000003.pt"]
     assert not list((tmp_path / "checkpoints").glob("*.tmp"))
-    assert checkpoint.find("auto", tmp_path) == files[-1]
-    assert checkpoint.find(str(tmp_path), tmp_path / "elsewhere") == files[-1]
-    assert checkpoint.find(str(files[0]), tmp_path) == files[0]
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == [
+        "step_00000002.pt", "step_00000002.pt.sha256", "step_00000003.pt", "step_00000003.pt.sha256"]
+    assert checkpoint.candidates("auto", tmp_path) == files[::-1]
+    assert checkpoint.candidates(str(tmp_path), tmp_path / "elsewhere") == files[::-1]
+    assert checkpoint.candidates(str(files[0]), tmp_path) == [files[0]]
     assert checkpoint.load(files[-1])["step"] == 3
-    assert checkpoint.find("auto", tmp_path / "new_run") is None
+    assert checkpoint.candidates("auto", tmp_path / "new_run") == []
     with pytest.raises(ConfigError, match="trainer.resume"):
-        checkpoint.find(str(tmp_path / "missing"), tmp_path)
+        checkpoint.candidates(str(tmp_path / "missing"), tmp_path)
 
 
 def test_tensorboard_events_hold_every_tag_with_finite_values(tmp_path):

@@ -6,13 +6,19 @@ A distributed checkpoint is one file per rank (rank00000-of-00004.pt ...), each 
      "optimizer": DistributedOptimizer.state_dict(),   # named; this rank's part
      "moe_parallel": {"world_size": W, "rank": i, "expert_parallel": bool,
                       "experts": {state key: number of experts}},
-     ...}                                      # anything else (step, scheduler): rank 0's is kept
+     ...}                                      # anything else (step, data position): rank 0's is kept
+
+A step directory counts only once it holds SHA256SUMS, every rank's file and its sha256 (the
+format of `sha256sum`), which rank 0 writes after all ranks have written theirs: a run killed while
+saving leaves a directory without it (perhaps only .tmp files), which resuming and converting skip.
 
 Converting gathers every expert tensor (and its optimizer state) into the full [E, ...] tensor,
 then cuts it again for the new world size with the placement of layout.py, so a run can resume
 on a different number of ranks:
 
     python -m moetrain.parallel.checkpoint SRC_DIR DST_DIR --world-size 2
+
+SRC_DIR is a step directory, or a run directory (its newest complete checkpoint is converted).
 
 Shared optimizer state (ZeRO-1 keeps it on its owner) is merged and written to every new rank;
 each rank loads the part it updates.
@@ -24,12 +30,17 @@ import argparse
 import copy
 import os
 import re
+import sys
+from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from moetrain.moe import MoELayer
 from moetrain.parallel.layout import placement
+from moetrain.train import checkpoint
+from moetrain.train.checkpoint import MANIFEST, CheckpointError
 
 SHARD_NAME = "rank{rank:05d}-of-{world:05d}.pt"
 _SHARD_PATTERN = re.compile(r"rank(\d{5})-of-(\d{5})\.pt")
@@ -164,30 +175,79 @@ def shard_path(directory: str, rank: int, world_size: int) -> str:
     return os.path.join(directory, SHARD_NAME.format(rank=rank, world=world_size))
 
 
+def save_shard(state: dict, directory: str) -> None:
+    """This rank's file of a checkpoint, then (rank 0, once every rank's file is complete) the
+    directory's SHA256SUMS. Collective: every rank of the default process group calls it, and it
+    returns once the checkpoint is complete."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    os.makedirs(directory, exist_ok=True)
+    if rank == 0:  # the manifest of an earlier attempt at this step must not vouch for the new files
+        Path(directory, MANIFEST).unlink(missing_ok=True)
+    name = SHARD_NAME.format(rank=rank, world=world)
+    digests = [None] * world
+    dist.all_gather_object(digests, (name, checkpoint.write(state, Path(directory, name))))
+    if rank == 0:
+        checkpoint.write_checksums(Path(directory, MANIFEST), dict(digests))
+    dist.barrier()
+
+
+def write_shards(shards: list[dict], directory: str) -> None:
+    """Per-rank checkpoints from one process (a conversion), then their SHA256SUMS."""
+    os.makedirs(directory, exist_ok=True)
+    digests = {}
+    for rank, shard in enumerate(shards):
+        name = SHARD_NAME.format(rank=rank, world=len(shards))
+        digests[name] = checkpoint.write(shard, Path(directory, name))
+    checkpoint.write_checksums(Path(directory, MANIFEST), digests)
+
+
 def load_shards(directory: str) -> list[dict]:
+    """Every rank's file of a complete checkpoint, each checked against its sha256."""
+    if not os.path.isdir(directory):
+        raise FileNotFoundError(f"{directory} is not a directory of per-rank checkpoint files")
     names = sorted(name for name in os.listdir(directory) if _SHARD_PATTERN.fullmatch(name))
-    if not names:
-        raise FileNotFoundError(f"no per-rank checkpoint files ({SHARD_NAME.format(rank=0, world=1)}, ...) in {directory}")
-    world = int(_SHARD_PATTERN.fullmatch(names[0]).group(2))
+    if not names and not os.path.isfile(os.path.join(directory, MANIFEST)):
+        held = ", ".join(sorted(os.listdir(directory))) or "nothing"
+        if not any(name.endswith(".tmp") for name in os.listdir(directory)):
+            raise FileNotFoundError(
+                f"no per-rank checkpoint files ({SHARD_NAME.format(rank=0, world=1)}, ...) in {directory} (it holds {held})")
+    checkpoint.check_complete(Path(directory))
+    listed = sorted(checkpoint.read_checksums(Path(directory, MANIFEST)))
+    world = int(_SHARD_PATTERN.fullmatch(listed[0]).group(2)) if listed and _SHARD_PATTERN.fullmatch(listed[0]) else 0
     expected = [SHARD_NAME.format(rank=rank, world=world) for rank in range(world)]
-    if names != expected:
-        raise ValueError(f"{directory} should hold exactly {expected}, found {names}")
-    return [torch.load(os.path.join(directory, name), map_location="cpu", weights_only=False) for name in names]
+    if not world or listed != expected:
+        raise CheckpointError(f"{directory}/{MANIFEST} should list exactly {expected or 'the rank files'}, "
+                              f"it lists {listed}: the checkpoint is damaged")
+    return [checkpoint.load(Path(directory, name)) for name in expected]
+
+
+def newest_complete(source: str) -> tuple[str, list[str]]:
+    """The step directory to convert: `source` itself, or the newest complete checkpoint of a run
+    directory (or its checkpoints/ folder); also one line for each newer, incomplete one skipped."""
+    if any(_SHARD_PATTERN.fullmatch(name.removesuffix(".tmp")) for name in os.listdir(source)) or \
+            os.path.isfile(os.path.join(source, MANIFEST)):
+        return source, []
+    folder = Path(source, checkpoint.CHECKPOINT_DIR) if Path(source, checkpoint.CHECKPOINT_DIR).is_dir() else Path(source)
+    skipped = []
+    for entry in reversed([entry for entry in checkpoint.checkpoints(folder) if entry.is_dir()]):
+        if checkpoint.is_complete(entry):
+            return str(entry), skipped
+        skipped.append(f"skipping {entry}: incomplete (no {MANIFEST}: the run stopped while saving it)")
+    raise FileNotFoundError(f"no complete per-rank checkpoint (step_*/ with {MANIFEST}) in {folder}"
+                            + (f" ({len(skipped)} incomplete)" if skipped else ""))
 
 
 def convert_checkpoint(source: str, destination: str, world_size: int, expert_parallel: bool | None = None) -> None:
     if os.path.abspath(source) == os.path.abspath(destination):
         raise ValueError("the destination directory must differ from the source")
-    shards = convert(load_shards(source), world_size, expert_parallel)
-    os.makedirs(destination, exist_ok=True)
-    for rank, shard in enumerate(shards):
-        torch.save(shard, shard_path(destination, rank, world_size))
+    write_shards(convert(load_shards(source), world_size, expert_parallel), destination)
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m moetrain.parallel.checkpoint",
                                      description="Convert a per-rank MoE checkpoint to another world size.")
-    parser.add_argument("source", help="directory with rankNNNNN-of-NNNNN.pt files")
+    parser.add_argument("source", help="a step directory with rankNNNNN-of-NNNNN.pt files, or a run directory "
+                                       "(its newest complete checkpoint)")
     parser.add_argument("destination", help="new directory for the converted files")
     parser.add_argument("--world-size", type=int, required=True, help="number of ranks of the new run")
     parser.add_argument("--expert-parallel", choices=("yes", "no"), default=None,
@@ -197,10 +257,15 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"--world-size must be >= 1, got {args.world_size}")
     expert_parallel = None if args.expert_parallel is None else args.expert_parallel == "yes"
     try:
-        convert_checkpoint(args.source, args.destination, args.world_size, expert_parallel)
-    except (ValueError, FileNotFoundError) as error:
+        if not os.path.isdir(args.source):
+            raise FileNotFoundError(f"{args.source} is not a directory")
+        source, skipped = newest_complete(args.source)
+        for line in skipped:
+            print(line, file=sys.stderr)
+        convert_checkpoint(source, args.destination, args.world_size, expert_parallel)
+    except (ValueError, FileNotFoundError) as error:  # CheckpointError is a ValueError
         parser.exit(2, f"error: {error}\n")
-    print(f"wrote {args.world_size} shard(s) to {args.destination}")
+    print(f"wrote {args.world_size} shard(s) of {source} to {args.destination}")
 
 
 if __name__ == "__main__":

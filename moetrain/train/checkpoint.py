@@ -1,14 +1,30 @@
-"""Checkpoints: one file per saved step under <run dir>/checkpoints, written atomically.
+"""Checkpoints: one file per saved step under <run dir>/checkpoints, each with its sha256 written last.
 
 A checkpoint holds everything a resumed run needs to continue as if it had never stopped: model,
-optimizer, LR scheduler, data position, every random generator, the step, and the composed config.
+optimizer, data position, every random generator, the step, the composed config and the metrics so
+far. The learning-rate schedule is not stored: it is a function of the step and the current config.
+
+On disk, and what makes a checkpoint count:
+
+    checkpoints/step_00000500.pt          the data, written to step_00000500.pt.tmp and renamed
+    checkpoints/step_00000500.pt.sha256   its sha256, in `sha256sum`'s format, written after the data
+    checkpoints/step_00000500/            a multi-process checkpoint: one file per rank
+        rank00000-of-00002.pt ...         (moetrain.parallel.checkpoint), and
+        SHA256SUMS                        every rank's sha256, written last by rank 0 once all have written
+
+A step without its checksum file is incomplete (the run stopped while saving it); a file whose bytes
+do not match its checksum is corrupted. Resuming skips both, saying so, and takes the newest intact
+checkpoint. `sha256sum -c step_00000500.pt.sha256` (or `sha256sum -c SHA256SUMS` in a step
+directory) checks a checkpoint by hand.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import random
 import re
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -17,8 +33,16 @@ import torch
 from moetrain.config import ConfigError
 
 CHECKPOINT_DIR = "checkpoints"
+CHECKSUM_SUFFIX = ".sha256"  # step_N.pt -> step_N.pt.sha256
+MANIFEST = "SHA256SUMS"  # in a multi-process step directory
 # A file, or (multi-process runs) a directory with one file per rank: moetrain.parallel.checkpoint.
 _NAME = re.compile(r"^step_(\d+)(\.pt)?$")
+_RANK_FILE = re.compile(r"^rank\d{5}-of-\d{5}\.pt$")
+_CHECKSUM_LINE = re.compile(r"^([0-9a-f]{64}) [ *](.+)$")
+
+
+class CheckpointError(ConfigError):
+    """A checkpoint is incomplete, corrupted or unreadable (the CLI reports it in one line, exit 2)."""
 
 
 def rng_state() -> dict:
@@ -38,48 +62,207 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+# ---- writing ------------------------------------------------------------------------------------
+class _HashingWriter:
+    """A file wrapper that hashes the bytes torch.save writes, so the file is not read back."""
+
+    def __init__(self, file):
+        self.file, self.sha256 = file, hashlib.sha256()
+
+    def write(self, data) -> int:
+        self.sha256.update(data)
+        return self.file.write(data)
+
+    def flush(self) -> None:
+        self.file.flush()
+
+
+def _sync_directory(directory: Path) -> None:
+    """Make a rename in `directory` durable (a power loss could otherwise undo it)."""
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write(state: dict, path: Path) -> str:
+    """torch.save `state` to `path` through a temporary file renamed when complete; returns the
+    sha256 of the bytes written. A crash while writing leaves only `path`.tmp behind."""
+    path = Path(path)
+    temporary = path.with_name(path.name + ".tmp")
+    try:
+        with open(temporary, "wb") as file:
+            writer = _HashingWriter(file)
+            torch.save(state, writer)
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(temporary, path)
+    except BaseException as error:
+        temporary.unlink(missing_ok=True)  # a full disk or a read-only folder leaves no .tmp behind
+        if isinstance(error, OSError):
+            raise CheckpointError(
+                f"cannot write the checkpoint {path} ({error.strerror or error}): the checkpoints saved before it "
+                "are untouched; free space or make the folder writable, then continue with trainer.resume=auto"
+            ) from None
+        raise
+    _sync_directory(path.parent)
+    return writer.sha256.hexdigest()
+
+
+def write_checksums(path: Path, digests: dict[str, str]) -> None:
+    """`sha256sum`'s format ("<hex>  <name>" per line), through a temporary file renamed when complete."""
+    path = Path(path)
+    temporary = path.with_name(path.name + ".tmp")
+    with open(temporary, "w") as file:
+        file.writelines(f"{digest}  {name}\n" for name, digest in digests.items())
+        file.flush()
+        os.fsync(file.fileno())
+    os.replace(temporary, path)
+    _sync_directory(path.parent)
+
+
 def save(state: dict, run_dir: Path, step: int, keep: int) -> Path:
-    """Write <run_dir>/checkpoints/step_<step>.pt; keep the newest `keep` (0 = all)."""
+    """Write <run_dir>/checkpoints/step_<step>.pt, then its checksum; keep the newest `keep` (0 = all)."""
     directory = Path(run_dir) / CHECKPOINT_DIR
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / f"step_{step:08d}.pt"
-    temporary = path.with_name(path.name + ".tmp")
-    torch.save(state, temporary)
-    # A crash while writing leaves only the .tmp file: the previous checkpoint stays the latest.
-    os.replace(temporary, path)
-    if keep:
-        for old in checkpoints(directory)[:-keep]:
-            old.unlink()
+    # A stale checksum of an earlier attempt at this step must not vouch for the new bytes.
+    checksum_path(path).unlink(missing_ok=True)
+    write_checksums(checksum_path(path), {path.name: write(state, path)})
+    prune(directory, keep)
     return path
 
 
+def _remove(entry: Path) -> None:
+    if entry.is_dir():
+        shutil.rmtree(entry, ignore_errors=True)
+    else:
+        entry.unlink(missing_ok=True)
+        checksum_path(entry).unlink(missing_ok=True)
+
+
+def prune(directory: Path, keep: int) -> None:
+    """Delete the complete checkpoints beyond the newest `keep` (0 = keep all), every incomplete one,
+    and leftover temporary files. Call it only while no checkpoint is being written."""
+    entries = checkpoints(directory)
+    complete = [entry for entry in entries if is_complete(entry)]
+    doomed = [entry for entry in entries if entry not in complete] + (complete[:-keep] if keep else [])
+    for entry in doomed:
+        _remove(entry)
+    for leftover in list(directory.glob("step_*.tmp")) + list(directory.glob(f"step_*.pt{CHECKSUM_SUFFIX}")):
+        if leftover.name.endswith(".tmp") or not leftover.with_name(leftover.name[: -len(CHECKSUM_SUFFIX)]).exists():
+            leftover.unlink(missing_ok=True)
+
+
+# ---- finding ------------------------------------------------------------------------------------
+def checksum_path(path: Path) -> Path:
+    return Path(path).with_name(Path(path).name + CHECKSUM_SUFFIX)
+
+
 def checkpoints(directory: Path) -> list[Path]:
-    """The checkpoint files in `directory`, oldest step first."""
+    """Every checkpoint entry in `directory` (complete or not), oldest step first."""
     if not directory.is_dir():
         return []
     found = [(int(m.group(1)), p) for p in directory.iterdir() if (m := _NAME.match(p.name))]
     return [path for _, path in sorted(found)]
 
 
-def find(resume: str, run_dir: Path) -> Path | None:
-    """The checkpoint that trainer.resume names: "auto" = the latest of this run (None when the run
-    has none yet), a run directory = its latest, or a checkpoint file."""
+def is_complete(entry: Path) -> bool:
+    """Whether the checksum file, written last, is there (says nothing about the bytes: see verify)."""
+    return (entry / MANIFEST).is_file() if entry.is_dir() else checksum_path(entry).is_file()
+
+
+def check_complete(entry: Path) -> None:
+    """Raise CheckpointError unless `entry` (a checkpoint file or step directory) was completely saved."""
+    entry = Path(entry)
+    if is_complete(entry):
+        return
+    if entry.is_dir():
+        held = sorted(p.name for p in entry.iterdir()) or ["nothing"]
+        raise CheckpointError(
+            f"{entry} is incomplete: it has no {MANIFEST} (written once every rank's file is), so the run stopped "
+            f"while saving it; it holds {', '.join(held)}")
+    if not entry.exists():
+        raise CheckpointError(f"{entry} does not exist")
+    raise CheckpointError(
+        f"{entry} has no checksum file {checksum_path(entry).name}: the run stopped while saving it, or it was not "
+        f"written by moetrain (to load it anyway, write one: sha256sum {entry.name} > {checksum_path(entry).name})")
+
+
+def candidates(resume: str, run_dir: Path) -> list[Path]:
+    """The checkpoints trainer.resume names, newest first, to be tried in that order: "auto" = those of
+    this run ([] when it has none yet), a run directory = its own, a checkpoint file or a per-rank
+    directory = just that one."""
     if resume == "auto":
-        found = checkpoints(Path(run_dir) / CHECKPOINT_DIR)
-        return found[-1] if found else None
+        return checkpoints(Path(run_dir) / CHECKPOINT_DIR)[::-1]
     path = Path(resume).expanduser()
-    if path.is_file() or any(path.glob("rank*-of-*.pt")):
-        return path
+    if path.is_file() or any(path.glob("rank*-of-*.pt*")) or (path / MANIFEST).is_file():
+        return [path]
     found = checkpoints(path / CHECKPOINT_DIR) or checkpoints(path)
     if not found:
         raise ConfigError(
             f"trainer.resume={resume}: no checkpoint there; pass a run directory, a checkpoint file, or auto"
         )
-    return found[-1]
+    return found[::-1]
+
+
+# ---- reading ------------------------------------------------------------------------------------
+def sha256_of(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as file:
+        while chunk := file.read(1 << 24):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def read_checksums(path: Path) -> dict[str, str]:
+    """A `sha256sum`-format file -> {file name: sha256}."""
+    digests = {}
+    for line in Path(path).read_text().splitlines():
+        match = _CHECKSUM_LINE.match(line.strip())
+        if match is None:
+            raise CheckpointError(f"{path} is not a sha256sum listing (line {line[:80]!r}): the checkpoint is damaged")
+        digests[match.group(2)] = match.group(1)
+    return digests
+
+
+def recorded_checksum(path: Path) -> str:
+    """The sha256 saved for a checkpoint file: from its .sha256 file, or from its step directory's
+    SHA256SUMS (one rank's file of a multi-process checkpoint)."""
+    path = Path(path)
+    for listing in (checksum_path(path), path.parent / MANIFEST):
+        if listing.is_file():
+            digests = read_checksums(listing)
+            if path.name not in digests:
+                raise CheckpointError(f"{listing} has no checksum for {path.name}: the checkpoint is damaged")
+            return digests[path.name]
+    # Nothing vouches for the file: say what is missing (for one rank's file, its directory's manifest).
+    check_complete(path.parent if _RANK_FILE.match(path.name) else path)
+    raise CheckpointError(f"{path} has no checksum saved with it")
+
+
+def verify(path: Path) -> None:
+    """Raise CheckpointError unless the file's bytes match the sha256 recorded when it was saved."""
+    expected = recorded_checksum(path)
+    if not Path(path).is_file():
+        raise CheckpointError(f"{path} is missing although its checkpoint lists it")
+    actual = sha256_of(path)
+    if actual != expected:
+        size = Path(path).stat().st_size
+        raise CheckpointError(
+            f"{path} is corrupted: its sha256 is {actual[:16]}..., not the {expected[:16]}... saved with it "
+            f"({'empty' if size == 0 else f'{size} bytes'})")
 
 
 def load(path: Path) -> dict:
+    """A checkpoint file, once its checksum matches."""
+    verify(path)
     # On the CPU: RNG states must stay CPU tensors; load_state_dict moves weights and optimizer
     # state to their parameters' device. Our own files hold Python and NumPy objects (RNG states),
     # so they are loaded in full.
-    return torch.load(path, map_location="cpu", weights_only=False)
+    try:
+        return torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as error:  # the bytes are the ones saved, yet they do not load: say which and why
+        message = " ".join(str(error).split())[:300]
+        raise CheckpointError(f"{path} does not load ({type(error).__name__}: {message})") from None

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
-from torch.optim.lr_scheduler import CosineAnnealingLR, LinearLR, SequentialLR
 
 from moetrain.config import OptimConfig, OptimizerName
 from moetrain.moe import is_expert_param
@@ -27,11 +28,39 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer
     return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum)
 
 
-def build_scheduler(optimizer: torch.optim.Optimizer, cfg: OptimConfig, max_steps: int):
-    """Linear warm-up over optim.warmup_steps, then cosine decay to lr * min_lr_ratio at max_steps."""
+def learning_rate(step: int, cfg: OptimConfig, max_steps: int) -> float:
+    """The learning rate of the optimizer step taken after `step` completed steps: a linear warm-up
+    from lr / (warmup_steps + 1) to lr over optim.warmup_steps, then a cosine decay that reaches
+    lr * min_lr_ratio at max_steps and stays there (never a second cycle)."""
     warmup_steps = min(cfg.warmup_steps, max_steps - 1)
-    cosine = CosineAnnealingLR(optimizer, T_max=max_steps - warmup_steps, eta_min=cfg.lr * cfg.min_lr_ratio)
-    if warmup_steps == 0:
-        return cosine
-    warmup = LinearLR(optimizer, start_factor=1.0 / (warmup_steps + 1), total_iters=warmup_steps)
-    return SequentialLR(optimizer, [warmup, cosine], milestones=[warmup_steps])
+    if step < warmup_steps:
+        return cfg.lr * (step + 1) / (warmup_steps + 1)
+    progress = min(1.0, (step - warmup_steps) / (max_steps - warmup_steps))
+    floor = cfg.lr * cfg.min_lr_ratio
+    return floor + (cfg.lr - floor) * (1.0 + math.cos(math.pi * progress)) / 2.0
+
+
+class WarmupCosine:
+    """Sets every parameter group's lr to learning_rate(step) of the current config.
+
+    The schedule is a function of the step alone, so it holds no state worth saving: a resumed run
+    follows the config it is started with (a new max_steps, lr or warm-up), never the saved one.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, cfg: OptimConfig, max_steps: int):
+        self.optimizer, self.cfg, self.max_steps = optimizer, cfg, max_steps
+        self.set_step(0)
+
+    def set_step(self, step: int) -> None:
+        """Steps completed so far: the next optimizer step uses learning_rate(step)."""
+        self.steps_done = step
+        for group in self.optimizer.param_groups:
+            group["lr"] = learning_rate(step, self.cfg, self.max_steps)
+
+    def step(self) -> None:
+        self.set_step(self.steps_done + 1)
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, cfg: OptimConfig, max_steps: int) -> WarmupCosine:
+    """Linear warm-up over optim.warmup_steps, then cosine decay to lr * min_lr_ratio at max_steps."""
+    return WarmupCosine(optimizer, cfg, max_steps)

@@ -6,6 +6,12 @@ targets of -100 are ignored) plus every MoE layer's aux_loss, whose configured w
 already applied. The step's gradients are reduced (strategy), clipped, checked (a non-finite loss
 or gradient stops the run or skips the step, as configured), applied, and the routers' load
 biases are updated. Evaluation, logging and checkpoints run every N steps and at the end.
+
+Resuming restores what the config does not say (weights, optimizer moments, data position, random
+states, step); the settings come from the current config, and every one that differs from the
+checkpoint's is logged. A checkpoint that is incomplete or fails its checksum is skipped, with one
+line, for the newest intact one. SIGTERM (what job schedulers send before killing a job) ends the
+run after the current step with a checkpoint; with several ranks, all stop at the same step.
 """
 
 from __future__ import annotations
@@ -14,6 +20,8 @@ import json
 import logging
 import math
 import random
+import signal
+import threading
 import time
 from collections import defaultdict
 from contextlib import nullcontext
@@ -31,7 +39,7 @@ from moetrain.data import DataModule
 from moetrain.models.throughput import training_throughput
 from moetrain.moe import MoELayer, update_router_biases
 from moetrain.train import checkpoint
-from moetrain.train.metrics import TensorBoard
+from moetrain.train.metrics import TensorBoard, flatten
 from moetrain.train.optim import build_scheduler
 from moetrain.train.strategy import SingleProcess
 from moetrain.train.stream import BatchStream
@@ -44,6 +52,16 @@ EVAL_TAGS = ["eval/loss", "eval/accuracy"]
 
 class NonFiniteLoss(RuntimeError):
     """The loss or the gradient norm of a step was NaN or infinite."""
+
+
+class Terminated(RuntimeError):
+    """SIGTERM stopped the run after a step whose checkpoint was then saved."""
+
+    exit_code = 128 + signal.SIGTERM  # 143: what a shell reports for a process ended by SIGTERM
+
+
+# Keys whose change on resume is no change to the run.
+_UNCOMPARED = ("trainer.resume", "trainer.progress_bar")
 
 
 def seed_everything(seed: int) -> None:
@@ -106,6 +124,9 @@ class Trainer:
         )
         self.step = 0
         self.skipped_steps = 0
+        self.metrics: dict = {}  # the latest logged and evaluated metrics
+        self.stop_requested = False  # set by SIGTERM
+        self.stopping = False  # every rank saw a stop request: save and stop after this step
 
     # ---- checkpoints -------------------------------------------------------------------------
     def state_dict(self) -> dict:
@@ -114,30 +135,61 @@ class Trainer:
             "skipped_steps": self.skipped_steps,
             "model": self.model.state_dict(),
             "optimizer": self.optimizer.state_dict(),
-            "scheduler": self.scheduler.state_dict(),
             "data": self.stream.state_dict(),
             "rng": checkpoint.rng_state(),
             "config": self.run_config,
+            "metrics": dict(self.metrics),  # at the last step: the final metrics, should metrics.json be lost
         }
 
     def load_state_dict(self, state: dict) -> None:
+        """Everything the config does not set. The optimizer's hyperparameters (lr, weight decay,
+        betas, ...) stay those of this run's config: only its moments come from the checkpoint."""
         self.model.load_state_dict(state["model"])
+        settings = [{key: value for key, value in group.items() if key != "params"} for group in self.optimizer.param_groups]
         self.optimizer.load_state_dict(state["optimizer"])
-        self.scheduler.load_state_dict(state["scheduler"])
+        for group, own in zip(self.optimizer.param_groups, settings):
+            group.update(own)
         self.stream.load_state_dict(state["data"])
         checkpoint.set_rng_state(state["rng"])
         self.step, self.skipped_steps = state["step"], state["skipped_steps"]
+        self.metrics = dict(state.get("metrics", {}))
+        self.scheduler.set_step(self.step)
 
     def save_checkpoint(self) -> None:
         path = self.strategy.save_checkpoint(self.state_dict(), self.run_dir, self.step, self.cfg.keep_checkpoints)
         log.info("step %d: checkpoint %s", self.step, path)
 
+    def _everyone_agrees(self, flag: bool) -> bool:
+        """Whether `flag` holds on every rank (one all-reduce; the same answer on all ranks)."""
+        ones = self.strategy.mean_over_ranks(torch.tensor([float(flag)], device=self.device))
+        return bool(ones.item() == 1.0)
+
     def _load_resume_checkpoint(self) -> tuple[Path, dict] | None:
-        """The checkpoint trainer.resume names, checked against this run's model config."""
-        path = checkpoint.find(self.cfg.resume, self.run_dir)
-        if path is None:
+        """The newest intact checkpoint trainer.resume names, checked against this run's model config.
+        An incomplete or corrupted one is skipped with one line; every rank takes the same one."""
+        paths = checkpoint.candidates(self.cfg.resume, self.run_dir)
+        if not paths:
             return None
-        state = self.strategy.load_checkpoint(path)
+        problems = []
+        for path in paths:
+            state, problem = None, None
+            try:
+                checkpoint.check_complete(path)
+                state = self.strategy.load_checkpoint(path)  # checks this rank's file against its sha256
+            except checkpoint.CheckpointError as error:
+                problem = str(error)
+            if self._everyone_agrees(problem is None):
+                break
+            problem = problem or "another rank's file of it failed its check"
+            if self.strategy.is_main:
+                log.warning("trainer.resume: skipping %s: %s", path.name, problem)
+            problems.append(f"{path.name}: {problem}")
+        else:
+            where = paths[0].parent
+            raise checkpoint.CheckpointError(
+                f"trainer.resume={self.cfg.resume}: no intact checkpoint in {where} ({'; '.join(problems)}): resume "
+                "from a copy you trust with trainer.resume=PATH, or start over in a new run directory"
+            )
         if state["config"].get("model") != self.run_config.get("model"):
             raise ConfigError(
                 f"trainer.resume: {path} holds a different model config than this run: "
@@ -145,14 +197,28 @@ class Trainer:
             )
         return path, state
 
+    def _log_changed_settings(self, saved_config: dict) -> None:
+        """One line per setting this run changes from the checkpoint's run: these settings apply now."""
+        before, now = flatten(saved_config), flatten(self.run_config)
+        for key in sorted(before.keys() | now.keys()):
+            if key not in _UNCOMPARED and before.get(key) != now.get(key):
+                log.info("%s: %s (checkpoint) -> %s (now)", key, before.get(key, "unset"), now.get(key, "unset"))
+
     def _resume(self) -> None:
         found = self._load_resume_checkpoint()
         if found is None:
             log.info("trainer.resume=auto: no checkpoint in %s yet, starting from step 0", self.run_dir)
             return
         path, state = found
+        saved_lr = state["optimizer"]["param_groups"][0].get("lr")
         self.load_state_dict(state)
         log.info("resumed from %s at step %d", path, self.step)
+        if self.strategy.is_main:
+            self._log_changed_settings(state["config"])
+            lr = self.optimizer.param_groups[0]["lr"]
+            if saved_lr is not None and lr != saved_lr:
+                log.info("learning rate of step %d: %.6g (checkpoint) -> %.6g (now, from optim.* and "
+                         "trainer.max_steps=%d)", self.step + 1, saved_lr, lr, self.cfg.max_steps)
 
     def load_model(self) -> Path:
         """Only the model weights of trainer.resume's checkpoint (for evaluation); returns its path."""
@@ -164,6 +230,20 @@ class Trainer:
         self.model.load_state_dict(state["model"])
         self.step = state["step"]
         return path
+
+    def _finished_metrics(self) -> dict:
+        """A resumed run that has already reached trainer.max_steps: its final metrics, kept as they are."""
+        path = self.run_dir / "metrics.json"
+        if path.is_file():
+            return json.loads(path.read_text())
+        metrics = {**self.metrics, "step": self.step, "skipped_steps": self.skipped_steps}
+        if self.strategy.is_main:  # resumed into a new run directory: the checkpoint's final metrics
+            path.write_text(json.dumps(metrics, indent=2) + "\n")
+        return metrics
+
+    def _on_sigterm(self, signum, frame) -> None:
+        # Only a flag: the step in progress finishes, then every rank agrees to stop (_train_step).
+        self.stop_requested = True
 
     # ---- evaluation --------------------------------------------------------------------------
     @torch.no_grad()
@@ -211,9 +291,12 @@ class Trainer:
         max_norm = self.cfg.grad_clip or math.inf  # with inf, clip_grad_norm_ only measures the norm
         grad_norm = self.strategy.clip_grad_norm_(self.model, max_norm)
         # One host sync per step: the update must not happen when anything is non-finite. The losses
-        # are averaged over ranks, so every rank logs and decides alike.
-        losses = self.strategy.mean_over_ranks(torch.stack([loss_total / accum, aux_total / accum]))
-        loss_value, aux_value, norm_value = torch.cat([losses, grad_norm.reshape(1).to(losses)]).tolist()
+        # are averaged over ranks, so every rank logs and decides alike; a stop request (SIGTERM)
+        # rides along, so that all ranks stop after the same step when any of them got one.
+        stop = torch.tensor(float(self.stop_requested), device=self.device)
+        reduced = self.strategy.mean_over_ranks(torch.stack([loss_total / accum, aux_total / accum, stop]))
+        loss_value, aux_value, stop_value, norm_value = torch.cat([reduced, grad_norm.reshape(1).to(reduced)]).tolist()
+        self.stopping = stop_value > 0
         if all(math.isfinite(v) for v in (loss_value, aux_value, norm_value)):
             self.optimizer.step()
             update_router_biases(self.model)
@@ -231,17 +314,25 @@ class Trainer:
         return loss_value, aux_value, norm_value
 
     def fit(self) -> dict:
-        """Train to trainer.max_steps; returns the final metrics (also written to metrics.json)."""
+        """Train to trainer.max_steps; returns the final metrics (also written to metrics.json).
+        Raises Terminated after saving a checkpoint when SIGTERM arrives before the last step."""
         cfg = self.cfg
         if cfg.resume:
             self._resume()
+            if self.step > cfg.max_steps:
+                raise ConfigError(
+                    f"trainer.resume: the checkpoint is at step {self.step}, past trainer.max_steps={cfg.max_steps}: "
+                    f"raise trainer.max_steps to train on, or evaluate it with mode=eval"
+                )
+            if self.step == cfg.max_steps:
+                log.info("the run is already complete at step %d (trainer.max_steps=%d): nothing to train, "
+                         "metrics.json kept; raise trainer.max_steps to train on", self.step, cfg.max_steps)
+                return self._finished_metrics()
+        # SIGTERM only sets a flag while this loop runs (handlers can be set in the main thread only).
+        previous_handler = None
+        if threading.current_thread() is threading.main_thread():
+            previous_handler = signal.signal(signal.SIGTERM, self._on_sigterm)
         board = TensorBoard(self.run_dir) if self.logger_cfg.tensorboard and self.strategy.is_main else None
-        if board is not None and self.step == 0:
-            board.hparams(self.run_config, EVAL_TAGS)
-        samples_per_step = self.data.batch_size * cfg.grad_accum_steps * self.strategy.world_size
-        metrics: dict = {}
-        routing = defaultdict(lambda: [0, 0])  # layer -> [tokens per expert, kept per expert] since the last log
-        window_losses, window_aux, window_seconds = [], [], 0.0
         bar = tqdm(
             total=cfg.max_steps,
             initial=self.step,
@@ -250,6 +341,27 @@ class Trainer:
             dynamic_ncols=True,
             disable=not (cfg.progress_bar and self.strategy.is_main),
         )
+        try:
+            self._train(board, bar)
+        finally:
+            bar.close()
+            if board is not None:
+                board.close()
+            if previous_handler is not None:
+                signal.signal(signal.SIGTERM, previous_handler)
+        metrics = {**self.metrics, "step": self.step, "skipped_steps": self.skipped_steps}
+        if self.strategy.is_main:
+            (self.run_dir / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
+        return metrics
+
+    def _train(self, board: TensorBoard | None, bar: tqdm) -> None:
+        cfg = self.cfg
+        if board is not None and self.step == 0:
+            board.hparams(self.run_config, EVAL_TAGS)
+        samples_per_step = self.data.batch_size * cfg.grad_accum_steps * self.strategy.world_size
+        metrics = self.metrics
+        routing = defaultdict(lambda: [0, 0])  # layer -> [tokens per expert, kept per expert] since the last log
+        window_losses, window_aux, window_seconds = [], [], 0.0
         self.model.train()
         while self.step < cfg.max_steps:
             self.step += 1
@@ -261,7 +373,7 @@ class Trainer:
                 window_aux.append(aux)
             bar.update(1)
             last = self.step == cfg.max_steps
-            if (self.step % self.logger_cfg.log_every == 0 or last) and window_losses:
+            if (self.step % self.logger_cfg.log_every == 0 or last or self.stopping) and window_losses:
                 metrics.update({
                     "train/loss": sum(window_losses) / len(window_losses),
                     "train/aux_loss": sum(window_aux) / len(window_aux),
@@ -283,6 +395,13 @@ class Trainer:
                         board.routing(name, tokens_E, kept_E, self.step)
                 routing.clear()
                 window_losses, window_aux, window_seconds = [], [], 0.0
+            if self.stopping and not last:  # SIGTERM: the grace period is short, so no evaluation first
+                self.save_checkpoint()
+                log.info("SIGTERM: stopped after step %d, whose checkpoint is saved", self.step)
+                raise Terminated(
+                    f"stopped by SIGTERM at step {self.step} after saving its checkpoint; continue with the same "
+                    f"command plus hydra.run.dir={self.run_dir} trainer.resume=auto"
+                )
             if (cfg.eval_every and self.step % cfg.eval_every == 0) or last:
                 metrics.update(self.evaluate())
                 log.info(
@@ -292,10 +411,3 @@ class Trainer:
                     board.scalars({k: v for k, v in metrics.items() if k.startswith("eval/")}, self.step)
             if (cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0) or last:
                 self.save_checkpoint()
-        bar.close()
-        if board is not None:
-            board.close()
-        metrics.update({"step": self.step, "skipped_steps": self.skipped_steps})
-        if self.strategy.is_main:
-            (self.run_dir / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
-        return metrics
