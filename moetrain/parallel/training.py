@@ -11,8 +11,6 @@ step with one file per rank (checkpoint.py's format, convertible to another worl
 
 from __future__ import annotations
 
-import os
-import shutil
 from pathlib import Path
 
 import torch
@@ -66,14 +64,9 @@ class Distributed:
         directory = Path(run_dir) / checkpoint.CHECKPOINT_DIR / f"step_{step:08d}"
         directory.mkdir(parents=True, exist_ok=True)
         state = {**state, "moe_parallel": shards.parallel_metadata(self.model, self.world_size, self.rank)}
-        path = Path(shards.shard_path(str(directory), self.rank, self.world_size))
-        temporary = path.with_name(path.name + ".tmp")
-        torch.save(state, temporary)
-        os.replace(temporary, path)
-        dist.barrier()  # every rank's file is complete before older checkpoints go
-        if self.is_main and keep:
-            for old in checkpoint.checkpoints(directory.parent)[:-keep]:
-                shutil.rmtree(old) if old.is_dir() else old.unlink()
+        shards.save_shard(state, str(directory))  # returns once every rank's file and SHA256SUMS are written
+        if self.is_main:
+            checkpoint.prune(directory.parent, keep)
         return directory
 
     def load_checkpoint(self, path: Path) -> dict:
