@@ -234,8 +234,7 @@ def _run_training(results, tag, num_experts, r_schedule, zero, checkpoint_dir, t
     results[f"{tag}:router bias"] = (model.moe2.gate.expert_bias - reference.moe2.gate.expert_bias).abs().max().item()
 
     shard = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "moe_parallel": meta, "step": STEPS}
-    os.makedirs(checkpoint_dir, exist_ok=True)
-    torch.save(shard, ckpt.shard_path(checkpoint_dir, rank, world))
+    ckpt.save_shard(shard, checkpoint_dir)  # every rank's file, then the SHA256SUMS that marks it complete
     if rank == 0:
         torch.save({"model": reference.state_dict(), "optimizer": ref_opt.state_dict(),
                     "names": [name for name, _ in reference.named_parameters()]},
