@@ -37,6 +37,7 @@ from hydra.core.config_store import ConfigStore
 from hydra.core.hydra_config import HydraConfig
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import HydraException, InstantiationException, MissingConfigException
+from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException, ValidationError
 from torch.multiprocessing import ProcessExitedException
@@ -49,7 +50,9 @@ from moetrain.ops import ExtensionUnavailable
 from moetrain.parallel.launch import choose_backend, init_from_torchrun, spawn
 from moetrain.parallel.training import Distributed
 from moetrain.train import NonFiniteLoss, Trainer, resolve_device, seed_everything
+from moetrain.train.lock import RunDirectoryBusy, lock_run_directory
 from moetrain.train.quantized import evaluate_quantized
+from moetrain.train.trainer import Terminated
 
 log = logging.getLogger(__name__)
 
@@ -305,11 +308,24 @@ def _train_reporting(cfg: DictConfig, run_dir: Path, distributed: bool, report: 
         if report:
             _fail(f"{error} (on the command line: gate.impl=torch)", EXIT_CONFIG_ERROR)
         sys.exit(EXIT_CONFIG_ERROR)
-    except (ConfigError, NonFiniteLoss) as error:
+    except (ConfigError, NonFiniteLoss, Terminated) as error:
         code = EXIT_CONFIG_ERROR if isinstance(error, ConfigError) else EXIT_TRAINING_FAILED
+        code = error.exit_code if isinstance(error, Terminated) else code  # SIGTERM, checkpoint saved: 143
         if report:
             _fail(str(error), code)
         sys.exit(code)
+
+
+class RunDirectoryLock(Callback):
+    """conf/config.yaml's hydra.callbacks: a second run in a run directory is refused in one line
+    before Hydra writes anything there (Hydra calls this before making the directory)."""
+
+    def on_run_start(self, config: DictConfig, **kwargs) -> None:
+        if int(os.environ.get("RANK", "0")) == 0:  # under torchrun, rank 0 holds it for the job
+            try:
+                lock_run_directory(Path(str(config.hydra.run.dir)))
+            except RunDirectoryBusy as error:
+                _fail(str(error), EXIT_CONFIG_ERROR)
 
 
 # ---- several processes --------------------------------------------------------------------------
