@@ -45,7 +45,7 @@ def test_two_workers_match_one_process_and_checkpoint_per_rank(tmp_path):
     log = (tmp_path / "double" / "moetrain.log").read_text()
     assert log.count("run directory") == 1 and "step 3: checkpoint" in log
     files = sorted(p.name for p in (tmp_path / "double" / "checkpoints" / "step_00000003").iterdir())
-    assert files == ["rank00000-of-00002.pt", "rank00001-of-00002.pt"]
+    assert files == ["SHA256SUMS", "rank00000-of-00002.pt", "rank00001-of-00002.pt"]  # SHA256SUMS: complete
 
     # Resuming on another number of ranks stops with the command that converts the checkpoint...
     refused = moetrain(*TINY, "data.batch_size=16", "hydra.run.dir=again", "trainer.resume=double", cwd=tmp_path)
