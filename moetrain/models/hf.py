@@ -13,6 +13,8 @@ that names them. Blockwise-FP8 weights (DeepSeek-V3 / Kimi-K2 releases: `weight`
 `weight_scale_inv` per 128x128 block) are dequantised on load. The multi-token-prediction layers
 of DeepSeek-V3 (model.layers.{num_hidden_layers}...) are not part of the model and are skipped.
 Routing is dropless (capacity_factor=0) unless overridden, so logits match the reference code.
+config.json is read in the layout of transformers 4 and of transformers 5 (rope_parameters,
+num_local_experts); a setting that changes the outputs and cannot be read is an error, not a default.
 """
 
 from __future__ import annotations
@@ -40,88 +42,158 @@ def _require(config: dict, condition: bool, message: str) -> None:
         raise CheckpointError(f"unsupported {config.get('model_type')} config: {message}")
 
 
-def _yarn_or_none(config: dict) -> dict | None:
-    scaling = config.get("rope_scaling")
-    if scaling is None:
-        return None
-    kind = scaling.get("type", scaling.get("rope_type"))
-    _require(config, kind == "yarn", f"rope_scaling type {kind!r} (supported: none, 'yarn')")
-    return dict(scaling, type="yarn")
+# Keys that change the numbers but not the tensor shapes have no default here: a config.json
+# without one is an error naming it (the tensors check everything that has a shape).
+_MISSING = object()
+
+
+def _read(config: dict, *keys: str):
+    """The value of the key present (not null) among `keys`, a dotted key looking inside a dict
+    ("rope_parameters.rope_theta"); none present, or two with different values, is a CheckpointError
+    naming them."""
+    found = {}
+    for key in keys:
+        value = config
+        for part in key.split("."):
+            value = value.get(part, _MISSING) if isinstance(value, dict) else _MISSING
+        if value is not _MISSING and value is not None:
+            found[key] = value
+    if not found:
+        either = " or ".join(repr(key) for key in keys)
+        raise CheckpointError(f"config.json has no {either}: moetrain assumes no default for it (a wrong "
+                              f"guess would change the model's outputs); add it")
+    values = list(found.values())
+    if any(value != values[0] for value in values[1:]):
+        raise CheckpointError(f"config.json sets {' and '.join(f'{k}={v!r}' for k, v in found.items())}: they must agree")
+    return values[0]
+
+
+# The layouts of the rotary settings: transformers < 5 writes `rope_theta` and `rope_scaling` at the
+# top level; transformers 5 writes one `rope_parameters` dict with `rope_type`, `rope_theta` and the
+# scaling keys. Both are read; a checkpoint converted by hand may hold both, if they agree.
+_YARN_KEYS = {"factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale", "mscale_all_dim"}
+_ROPE_KIND_KEYS = ("type", "rope_type")
+
+
+def _rope_theta(config: dict) -> float:
+    return float(_read(config, "rope_theta", "rope_parameters.rope_theta"))
+
+
+def _rope_scaling(config: dict) -> dict | None:
+    """The YaRN settings ({"type": "yarn", ...}) of either layout, or None for plain rotary."""
+    layouts = {}
+    legacy = config.get("rope_scaling")
+    if legacy is not None:
+        layouts["rope_scaling"] = legacy
+    parameters = config.get("rope_parameters")
+    if parameters is not None:
+        _require(config, isinstance(parameters, dict) and not any(isinstance(v, dict) for v in parameters.values()),
+                 f"rope_parameters must be one dict of rotary settings (per-layer-type settings are not "
+                 f"implemented), got {parameters!r}")
+        scaling = {key: value for key, value in parameters.items() if key not in ("rope_theta", "partial_rotary_factor")}
+        partial = parameters.get("partial_rotary_factor", 1.0)
+        _require(config, partial == 1.0, f"rope_parameters.partial_rotary_factor={partial} (partial rotary is not implemented)")
+        if scaling.get("rope_type", scaling.get("type", "default")) != "default":
+            layouts["rope_parameters"] = scaling
+    found = []
+    for where, scaling in layouts.items():
+        _require(config, isinstance(scaling, dict), f"{where} must be a dict, got {scaling!r}")
+        kinds = {scaling[key] for key in _ROPE_KIND_KEYS if key in scaling}
+        _require(config, kinds == {"yarn"}, f"{where} type {sorted(kinds) or None} (supported: none, 'yarn')")
+        unknown = sorted(set(scaling) - _YARN_KEYS - set(_ROPE_KIND_KEYS))
+        _require(config, not unknown, f"{where} has YaRN settings moetrain does not implement: {unknown}")
+        for key in ("factor", "original_max_position_embeddings"):
+            if key not in scaling:
+                raise CheckpointError(f"config.json {where} has no {key!r}, which YaRN needs: add it")
+        found.append({key: value for key, value in scaling.items() if key in _YARN_KEYS} | {"type": "yarn"})
+    if len(found) == 2 and found[0] != found[1]:
+        raise CheckpointError(f"config.json has YaRN settings in rope_scaling and rope_parameters that differ: "
+                              f"{found[0]} and {found[1]}")
+    return found[0] if found else None
 
 
 def config_from_hf(config: dict, max_seq_len: int = 4096) -> LMConfig:
-    """LMConfig for an HF config.json dict. max_seq_len caps the rotary tables (the HF value can be
-    128K+ positions; pass a larger one to run longer sequences)."""
+    """LMConfig for an HF config.json dict (as written by transformers 4 or 5). max_seq_len caps the
+    rotary tables (the HF value can be 128K+ positions; pass a larger one to run longer sequences)."""
     model_type = config.get("model_type")
     if model_type not in MODEL_TYPES:
         raise CheckpointError(f"config.json model_type must be one of {MODEL_TYPES}, got {model_type!r}")
-    _require(config, config.get("hidden_act", "silu") == "silu", f"hidden_act {config.get('hidden_act')!r} (need 'silu')")
+    _require(config, _read(config, "hidden_act") == "silu", f"hidden_act {config.get('hidden_act')!r} (need 'silu')")
+    rope_scaling = _rope_scaling(config)
     common = dict(
-        vocab_size=config["vocab_size"],
-        dim=config["hidden_size"],
-        depth=config["num_hidden_layers"],
-        num_heads=config["num_attention_heads"],
-        norm_eps=config.get("rms_norm_eps", 1e-6),
-        rope_theta=float(config.get("rope_theta", 10000.0)),
-        max_seq_len=min(max_seq_len, config.get("max_position_embeddings", max_seq_len)),
-        tie_embeddings=bool(config.get("tie_word_embeddings", False)),
+        vocab_size=_read(config, "vocab_size"),
+        dim=_read(config, "hidden_size"),
+        depth=_read(config, "num_hidden_layers"),
+        num_heads=_read(config, "num_attention_heads"),
+        norm_eps=float(_read(config, "rms_norm_eps")),
+        rope_theta=_rope_theta(config),
+        max_seq_len=min(max_seq_len, config.get("max_position_embeddings") or max_seq_len),
+        tie_embeddings=bool(config.get("tie_word_embeddings", False)),  # a wrong guess fails on the lm_head tensor
         expert="swiglu",
         activation="silu",
     )
+    top_k = _read(config, "num_experts_per_tok")
+    if model_type in ("qwen3_moe", "mixtral"):
+        _require(config, rope_scaling is None, "rope scaling (rope_scaling / rope_parameters.rope_type) must be none")
+        head_dim = config.get("head_dim") or common["dim"] // common["num_heads"]
     if model_type == "qwen3_moe":
         _require(config, not config.get("mlp_only_layers"), "mlp_only_layers must be empty")
-        _require(config, config.get("rope_scaling") is None, "rope_scaling must be null")
+        _require(config, not config.get("use_sliding_window", False),
+                 "use_sliding_window must be false (sliding-window attention is not implemented)")
         return LMConfig(
             **common,
-            num_kv_heads=config["num_key_value_heads"],
-            head_dim=config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"],
+            num_kv_heads=_read(config, "num_key_value_heads"),
+            head_dim=head_dim,
             qk_norm=True,
             attention_bias=bool(config.get("attention_bias", False)),
-            num_experts=config["num_experts"],
-            expert_hidden_size=config["moe_intermediate_size"],
-            dense_hidden_size=config["intermediate_size"],
+            # transformers 5 writes Qwen3-MoE's expert count as num_local_experts.
+            num_experts=_read(config, "num_experts", "num_local_experts"),
+            expert_hidden_size=_read(config, "moe_intermediate_size"),
+            dense_hidden_size=_read(config, "intermediate_size"),
             moe_every=config.get("decoder_sparse_step", 1),
-            moe_kwargs={"gate": "top", "top_k": config["num_experts_per_tok"], "capacity_factor": 0,
-                        "gate_kwargs": {"normalize": bool(config.get("norm_topk_prob", False))}},
+            moe_kwargs={"gate": "top", "top_k": top_k, "capacity_factor": 0,
+                        "gate_kwargs": {"normalize": bool(_read(config, "norm_topk_prob"))}},
         )
     if model_type == "mixtral":
-        _require(config, config.get("rope_scaling") is None, "rope_scaling must be null")
         window = config.get("sliding_window")
         _require(config, window is None or window >= common["max_seq_len"],
                  f"sliding_window={window} shorter than max_seq_len (sliding-window attention is not implemented)")
         return LMConfig(
             **common,
-            num_kv_heads=config["num_key_value_heads"],
-            head_dim=config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"],
-            num_experts=config["num_local_experts"],
-            expert_hidden_size=config["intermediate_size"],
+            num_kv_heads=_read(config, "num_key_value_heads"),
+            head_dim=head_dim,
+            num_experts=_read(config, "num_local_experts"),
+            expert_hidden_size=_read(config, "intermediate_size"),
             # Mixtral's softmax over the chosen logits equals a full softmax renormalised over the top-k.
-            moe_kwargs={"gate": "top", "top_k": config["num_experts_per_tok"], "capacity_factor": 0,
+            moe_kwargs={"gate": "top", "top_k": top_k, "capacity_factor": 0,
                         "gate_kwargs": {"normalize": True}},
         )
-    # deepseek_v3 / kimi_k2
+    # deepseek_v3 / kimi_k2. scoring_func and topk_method are not written by transformers (its code
+    # implements only sigmoid / noaux_tc), so absent means those.
     _require(config, config.get("moe_layer_freq", 1) == 1, "moe_layer_freq must be 1")
     _require(config, config.get("scoring_func", "sigmoid") == "sigmoid", "scoring_func must be 'sigmoid'")
     _require(config, config.get("topk_method", "noaux_tc") == "noaux_tc", "topk_method must be 'noaux_tc'")
     _require(config, not config.get("attention_bias", False), "attention_bias must be false")
+    # transformers' default (and DeepSeek's code) rotates interleaved pairs, as moetrain's MLA does.
+    _require(config, config.get("rope_interleave", True) is True, "rope_interleave must be true")
     return LMConfig(
         **common,
         attention="mla",
         q_lora_rank=config.get("q_lora_rank"),
-        kv_lora_rank=config["kv_lora_rank"],
-        qk_nope_head_dim=config["qk_nope_head_dim"],
-        qk_rope_head_dim=config["qk_rope_head_dim"],
-        v_head_dim=config["v_head_dim"],
-        rope_scaling=_yarn_or_none(config),
-        num_experts=config["n_routed_experts"],
-        expert_hidden_size=config["moe_intermediate_size"],
-        dense_hidden_size=config["intermediate_size"],
+        kv_lora_rank=_read(config, "kv_lora_rank"),
+        qk_nope_head_dim=_read(config, "qk_nope_head_dim"),
+        qk_rope_head_dim=_read(config, "qk_rope_head_dim"),
+        v_head_dim=_read(config, "v_head_dim"),
+        rope_scaling=rope_scaling,
+        num_experts=_read(config, "n_routed_experts", "num_local_experts"),
+        expert_hidden_size=_read(config, "moe_intermediate_size"),
+        dense_hidden_size=_read(config, "intermediate_size"),
         num_shared_experts=config.get("n_shared_experts") or 0,
         first_dense=config.get("first_k_dense_replace", 0),
-        moe_kwargs={"gate": "sigmoid", "top_k": config["num_experts_per_tok"], "capacity_factor": 0,
-                    "gate_kwargs": {"n_group": config.get("n_group", 1), "topk_group": config.get("topk_group", 1),
-                                    "routed_scaling_factor": float(config.get("routed_scaling_factor", 1.0)),
-                                    "normalize": bool(config.get("norm_topk_prob", True))}},
+        moe_kwargs={"gate": "sigmoid", "top_k": top_k, "capacity_factor": 0,
+                    "gate_kwargs": {"n_group": _read(config, "n_group"), "topk_group": _read(config, "topk_group"),
+                                    "routed_scaling_factor": float(_read(config, "routed_scaling_factor")),
+                                    "normalize": bool(_read(config, "norm_topk_prob"))}},
     )
 
 
@@ -233,8 +305,11 @@ def load_hf_checkpoint(
     config_path = directory / "config.json"
     if not config_path.is_file():
         raise CheckpointError(f"{directory} has no config.json")
-    hf_config = json.loads(config_path.read_text())
-    config = config_from_hf(hf_config, max_seq_len)
+    try:
+        hf_config = json.loads(config_path.read_text())
+        config = config_from_hf(hf_config, max_seq_len)
+    except (CheckpointError, json.JSONDecodeError) as error:
+        raise CheckpointError(f"{config_path}: {error}") from None
     if overrides:
         config = config.replace(**overrides)
     if dtype is None:
