@@ -83,7 +83,7 @@ class GateConfig:
 
     type: GateType = GateType.top
     top_k: int = 2
-    capacity_factor: float = 1.0  # expert capacity = factor * tokens * top_k / experts; 0 = dropless
+    capacity_factor: float = 1.0  # expert capacity = top_k * int(factor * ceil(tokens / experts)); 0 = dropless
     balance_loss_weight: float = 0.01  # weight of the load-balancing loss added to the training loss
     z_loss_weight: float = 0.0  # weight of the router z-loss (ST-MoE)
     batch_prioritized: bool = False  # under a capacity limit, keep the highest-scoring tokens first
