@@ -4,9 +4,9 @@
 
 layer(x, top_k=..., capacity_factor=...) overrides the layer's settings for that call only, e.g.
 train with top-2 and a tight capacity, evaluate top-1 or dropless. capacity_factor (Tutel's rule):
-  > 0   each expert takes at most top_k * ceil(cf * tokens / experts) choices; the rest are dropped
+  > 0   each expert takes at most top_k * int(cf * ceil(tokens / experts)) choices; the rest are dropped
   == 0  dropless: every choice is kept
-  < 0   dropless up to top_k * ceil(|cf| * tokens / experts) choices per expert
+  < 0   dropless up to top_k * int(|cf| * ceil(tokens / experts)) choices per expert
 """
 
 import math
@@ -30,7 +30,7 @@ def main(tokens=512, model_dim=32, num_experts=8, hidden_size=64):
         for capacity_factor in (0.5, 1.0, 2.0, 0.0, -1.0):
             layer(x, top_k=top_k, capacity_factor=capacity_factor)
             stats = layer.stats
-            limit = top_k * math.ceil(abs(capacity_factor) * tokens / num_experts) if capacity_factor else None
+            limit = top_k * int(abs(capacity_factor) * math.ceil(tokens / num_experts)) if capacity_factor else None
             rows.append({"top_k": top_k, "capacity_factor": capacity_factor, "capacity": stats.capacity,
                          "expected_limit": limit, "dropped_fraction": stats.dropped_fraction,
                          "max_load": int(stats.tokens_per_expert.max()),

@@ -97,7 +97,7 @@ def test_per_call_settings(outcomes):
     for (top_k, cf), row in rows.items():
         assert row["routed_choices"] == r["tokens"] * top_k
         if cf > 0:  # padded: the capacity is the limit, and no expert keeps more
-            assert row["capacity"] == row["expected_limit"] == top_k * math.ceil(cf * r["tokens"] / 8)
+            assert row["capacity"] == row["expected_limit"] == top_k * int(cf * math.ceil(r["tokens"] / 8))
         if cf == 0:
             assert row["dropped_fraction"] == 0
             assert row["capacity"] == row["max_load"]
