@@ -159,10 +159,11 @@ class Trainer:
         path = self.strategy.save_checkpoint(self.state_dict(), self.run_dir, self.step, self.cfg.keep_checkpoints)
         log.info("step %d: checkpoint %s", self.step, path)
 
-    def _everyone_agrees(self, flag: bool) -> bool:
-        """Whether `flag` holds on every rank (one all-reduce; the same answer on all ranks)."""
-        ones = self.strategy.mean_over_ranks(torch.tensor([float(flag)], device=self.device))
-        return bool(ones.item() == 1.0)
+    def _ranks_where(self, flag: bool) -> list[int]:
+        """The ranks on which `flag` holds (one all-reduce; the same answer on every rank)."""
+        flags = torch.zeros(self.strategy.world_size, device=self.device)
+        flags[self.strategy.rank] = float(flag)
+        return (self.strategy.mean_over_ranks(flags) > 0).nonzero().flatten().tolist()
 
     def _load_resume_checkpoint(self) -> tuple[Path, dict] | None:
         """The newest intact checkpoint trainer.resume names, checked against this run's model config.
@@ -178,9 +179,10 @@ class Trainer:
                 state = self.strategy.load_checkpoint(path)  # checks this rank's file against its sha256
             except checkpoint.CheckpointError as error:
                 problem = str(error)
-            if self._everyone_agrees(problem is None):
+            failed = self._ranks_where(problem is not None)
+            if not failed:
                 break
-            problem = problem or "another rank's file of it failed its check"
+            problem = problem or f"the file of rank {', '.join(map(str, failed))} failed its check"
             if self.strategy.is_main:
                 log.warning("trainer.resume: skipping %s: %s", path.name, problem)
             problems.append(f"{path.name}: {problem}")
