@@ -211,6 +211,24 @@ def _stacked_transposed(names: list[str]):
     return names, lambda tensors: torch.stack(tensors).transpose(1, 2), lambda tensor: list(tensor.transpose(1, 2))
 
 
+def _stacked_gate_up(gate_names: list[str], up_names: list[str]):
+    """The gate and up projections of every expert as one fused [E, D, 2H] tensor, in the column
+    order of moetrain.ops.swiglu (imported here: only experts with the fused parameter need it)."""
+    from moetrain.ops import swiglu
+
+    count = len(gate_names)
+
+    def combine(tensors):
+        return swiglu.interleave_gate_up(torch.stack(tensors[:count]).transpose(1, 2),
+                                         torch.stack(tensors[count:]).transpose(1, 2))
+
+    def split(tensor):
+        gate, up = swiglu.split_gate_up(tensor)
+        return list(gate.transpose(1, 2)) + list(up.transpose(1, 2))
+
+    return gate_names + up_names, combine, split
+
+
 def _attention_sources(ours: str, hf: str, config: LMConfig) -> dict:
     if config.attention == "mla":
         pairs = {"kv_a_proj": "kv_a_proj_with_mqa", "kv_a_norm": "kv_a_layernorm", "kv_b_proj": "kv_b_proj", "o_proj": "o_proj"}
@@ -236,8 +254,11 @@ def _moe_sources(ours: str, hf: str, layer: MoELayer, model_type: str) -> dict:
     else:
         hf_moe, names = f"{hf}.mlp", {"w_gate": "gate_proj", "w_up": "up_proj", "w_down": "down_proj"}
     sources = {f"{ours}.gate.weight_ED": _same(f"{hf_moe}.gate.weight")}
-    for mine, theirs in names.items():
-        sources[f"{ours}.experts.{mine}"] = _stacked_transposed([f"{hf_moe}.experts.{e}.{theirs}.weight" for e in experts])
+    per_expert = {mine: [f"{hf_moe}.experts.{e}.{theirs}.weight" for e in experts] for mine, theirs in names.items()}
+    if "w_gate_up" in dict(layer.experts.named_parameters()):  # SwiGLU experts holding gate and up as one tensor
+        sources[f"{ours}.experts.w_gate_up"] = _stacked_gate_up(per_expert.pop("w_gate"), per_expert.pop("w_up"))
+    for mine, hf_names in per_expert.items():
+        sources[f"{ours}.experts.{mine}"] = _stacked_transposed(hf_names)
     if model_type in ("deepseek_v3", "kimi_k2"):
         sources[f"{ours}.gate.expert_bias"] = _same(f"{hf_moe}.gate.e_score_correction_bias")
     if layer.shared is not None:
