@@ -100,7 +100,7 @@ def test_no_intact_checkpoint_is_one_line_and_exit_2(tmp_path, monkeypatch, caps
     (tmp_path / "run" / "metrics.json").unlink()
     line = expect_exit_2([*TINY, "hydra.run.dir=run", "trainer.resume=auto", "trainer.max_steps=5"], monkeypatch,
                          capsys, tmp_path)
-    assert "no intact checkpoint in" in line and "step_00000003.pt" in line and "step_00000001.pt" in line
+    assert "no intact checkpoint in" in line and "step_00000003.pt, step_00000002.pt are incomplete or corrupted" in line
 
 
 def test_a_file_without_checksum_is_refused_with_the_fix(tmp_path, monkeypatch, capsys):
@@ -218,7 +218,8 @@ def test_incomplete_and_corrupted_rank_checkpoints_are_skipped_on_every_rank(two
         assert_same_weights(resumed["model"], reference["model"])
         assert resumed["step"] == 6
     messages = [r["hopeless"] for r in results]
-    assert "no intact checkpoint" in messages[0] and "SHA256SUMS" in messages[0]
+    assert messages[0] == messages[1]  # every rank raises the same error, none hangs
+    assert "step_00000006, step_00000004, step_00000002 are incomplete or corrupted" in messages[0]
 
 
 def test_conversion_refuses_or_skips_incomplete_steps(two_ranks, tmp_path, capsys):

@@ -183,14 +183,17 @@ class Trainer:
             if not failed:
                 break
             problem = problem or f"the file of rank {', '.join(map(str, failed))} failed its check"
+            if len(paths) == 1:  # the checkpoint the user named: nothing to fall back to
+                raise checkpoint.CheckpointError(f"trainer.resume={self.cfg.resume}: {problem}")
             if self.strategy.is_main:
                 log.warning("trainer.resume: skipping %s: %s", path.name, problem)
-            problems.append(f"{path.name}: {problem}")
+            problems.append(path.name)
         else:
-            where = paths[0].parent
             raise checkpoint.CheckpointError(
-                f"trainer.resume={self.cfg.resume}: no intact checkpoint in {where} ({'; '.join(problems)}): resume "
-                "from a copy you trust with trainer.resume=PATH, or start over in a new run directory"
+                f"trainer.resume={self.cfg.resume}: no intact checkpoint in {paths[0].parent}: "
+                f"{', '.join(problems)} {'is' if len(problems) == 1 else 'are'} incomplete or corrupted (each reason "
+                "is logged above); resume from a copy you trust with trainer.resume=PATH, or start over in a new "
+                "run directory"
             )
         if state["config"].get("model") != self.run_config.get("model"):
             raise ConfigError(
