@@ -22,6 +22,8 @@ import dataclasses
 import inspect
 import logging
 import os
+import re
+import signal
 import sys
 import types
 import typing
@@ -38,18 +40,24 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import HydraException, InstantiationException, MissingConfigException
 from hydra.experimental.callback import Callback
-from omegaconf import DictConfig, OmegaConf
-from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException, ValidationError
-from torch.multiprocessing import ProcessExitedException
+from omegaconf import DictConfig, OmegaConf, open_dict
+from omegaconf.errors import (
+    ConfigAttributeError,
+    ConfigKeyError,
+    InterpolationResolutionError,
+    MissingMandatoryValue,
+    OmegaConfBaseException,
+    ValidationError,
+)
 
 import moetrain
 from moetrain.config import Config, ConfigError, GateType, Mode, did_you_mean, moe_kwargs, validate
 from moetrain.data import DataModule
 from moetrain.moe import EXPERTS
 from moetrain.ops import ExtensionUnavailable
-from moetrain.parallel.launch import choose_backend, init_from_torchrun, spawn
+from moetrain.parallel.launch import WorkerFailed, WorkersTerminated, choose_backend, init_from_torchrun, spawn
 from moetrain.parallel.training import Distributed
-from moetrain.train import NonFiniteLoss, Trainer, resolve_device, seed_everything
+from moetrain.train import NonFiniteLoss, Trainer, checkpoint, resolve_device, seed_everything
 from moetrain.train.lock import RunDirectoryBusy, lock_run_directory
 from moetrain.train.quantized import evaluate_quantized
 from moetrain.train.trainer import Terminated
@@ -62,6 +70,7 @@ GROUPS = ("model", "gate", "parallel", "data", "optim", "trainer", "logger", "qu
 EXIT_CONFIG_ERROR = 2
 EXIT_TRAINING_FAILED = 1
 EXIT_INTERRUPTED = 130  # the shell's code for Ctrl-C
+NAME_MAX = 255  # bytes in one file name on Linux, macOS and Windows file systems
 
 
 def recipe_names() -> list[str]:
@@ -132,6 +141,17 @@ def _explain(error: Exception, overrides: list[str]) -> str:
         if parent.split(".")[0] in ("model", "data"):
             message += f"; to pass a new argument to {parent}._target_, write +{cause.full_key}=VALUE"
         return message
+    if isinstance(cause, MissingMandatoryValue) and cause.full_key:
+        return f"{cause.full_key} has no value (???): set {cause.full_key}=VALUE"
+    if isinstance(cause, InterpolationResolutionError) and cause.full_key:
+        key, problem = cause.full_key, str(cause.msg).splitlines()[0]
+        variable = re.search(r"Environment variable '([^']*)' not found", problem)
+        if variable:
+            return (f"{key}: the environment variable {variable.group(1)} it reads (oc.env) is not set: "
+                    f"export {variable.group(1)}=VALUE, or give {key}=VALUE")
+        if "Recursive interpolation" in problem:
+            return f"{key}: its interpolation refers back to itself: give {key}=VALUE, or point it at another key"
+        return f"{key}: cannot resolve its interpolation ({_one_line(problem)}): give {key}=VALUE, or fix the ${{...}}"
     if isinstance(cause, ValidationError) and cause.full_key:
         # The message's first line is the problem; the rest repeats the key and the schema's name.
         return f"bad value for {cause.full_key}: {str(cause.msg).splitlines()[0]}"
@@ -209,8 +229,11 @@ def checked(cfg: DictConfig) -> Config:
     return config
 
 
-def check_command_line(overrides: list[str], multirun: bool, config_dir: str | None = None) -> None:
-    """Compose every run the command line asks for and check it; raises ConfigError."""
+def check_command_line(overrides: list[str], multirun: bool, config_dir: str | None = None,
+                       build_data: bool = False) -> None:
+    """Compose every run the command line asks for and check it: the config, the folders it names
+    (where the run directory goes, trainer.resume) and, with build_data, its data set, so that a bad
+    input fails before Hydra makes a run directory. Raises ConfigError."""
     if config_dir:  # --config-dir: the user's own configs, searched after moetrain's
         overrides = overrides + [f"hydra.searchpath=[file://{Path(config_dir).resolve()}]"]
     try:
@@ -236,14 +259,90 @@ def check_command_line(overrides: list[str], multirun: bool, config_dir: str | N
         except HydraException:
             runs = []  # a sweep only a sweeper plugin can expand: each job checks its own config
     with hydra.initialize_config_module(config_module=CONFIG_MODULE, version_base="1.3"):
+        built = set()
         for run in runs:
             try:
-                cfg = hydra.compose(config_name=CONFIG_NAME, overrides=list(run))
+                cfg = hydra.compose(config_name=CONFIG_NAME, overrides=list(run), return_hydra_config=True)
+                output_dir = OmegaConf.select(cfg, "hydra.sweep.dir" if multirun else "hydra.run.dir")
+                with open_dict(cfg):
+                    del cfg["hydra"]
+                config = checked(cfg)
+            except ConfigError:
+                raise
             except Exception as error:
                 raise ConfigError(_explain(error, list(run))) from None
-            config = checked(cfg)
             # The device is checked here, not in checked(): a GPU recipe still composes on a CPU machine.
             resolve_device(config.trainer.device)
+            check_output_dir(Path(output_dir), "hydra.sweep.dir" if multirun else "hydra.run.dir")
+            check_resume_path(config.trainer.resume)
+            key = _data_key(config)
+            if build_data and key not in built:
+                built.add(key)
+                data = _build_data(config)
+                if not multirun:  # the run itself uses it (a sweep's jobs build their own)
+                    _PREBUILT_DATA[key] = data
+
+
+def check_output_dir(path: Path, key: str) -> None:
+    """The run directory can be made (or, when it exists, written): its nearest existing folder is
+    writable and each new name fits the file system. Raises ConfigError."""
+    for part in path.parts:
+        if len(os.fsencode(part)) > NAME_MAX:
+            raise ConfigError(
+                f"{key}: the folder name {part[:40]}... has {len(os.fsencode(part))} bytes, more than a file name "
+                f"may have ({NAME_MAX}): shorten `name` or give a shorter {key}")
+    existing = path
+    try:
+        while not existing.exists():
+            existing = existing.parent
+        usable = existing.is_dir() and os.access(existing, os.W_OK | os.X_OK)
+    except OSError as error:
+        raise ConfigError(f"cannot make the run directory {path}: {error.strerror} ({error.filename}): "
+                          f"set {key}=A/WRITABLE/FOLDER") from None
+    if not existing.is_dir():
+        raise ConfigError(f"cannot make the run directory {path}: {existing} is a file: set {key}=A/FOLDER/PATH")
+    if not usable:
+        where = "the current directory" if existing.resolve() == Path.cwd().resolve() else "the folder"
+        raise ConfigError(
+            f"cannot make the run directory {path}: {where} {existing.resolve()} is not writable: run moetrain "
+            f"from a writable directory, or set {key}=A/WRITABLE/FOLDER")
+
+
+def check_resume_path(resume: str | None) -> None:
+    """trainer.resume names something readable that holds a checkpoint ("auto" is checked by the
+    trainer: a new run directory has none yet). Raises ConfigError."""
+    if resume in (None, "auto"):
+        return
+    path = Path(resume).expanduser()
+    try:
+        if not path.exists():
+            raise ConfigError(f"trainer.resume={resume} does not exist: pass a run directory, a checkpoint file, or auto")
+        folders = [path] + ([path / checkpoint.CHECKPOINT_DIR] if (path / checkpoint.CHECKPOINT_DIR).is_dir() else [])
+        for folder in folders if path.is_dir() else []:
+            if not os.access(folder, os.R_OK | os.X_OK):
+                raise PermissionError(13, "Permission denied", str(folder))
+        if path.is_file() and not os.access(path, os.R_OK):
+            raise PermissionError(13, "Permission denied", str(path))
+        if path.is_dir() and not any(p.name.startswith(("step_", "rank")) for folder in folders for p in folder.iterdir()):
+            raise ConfigError(
+                f"trainer.resume={resume}: no checkpoint there; pass a run directory, a checkpoint file, or auto")
+    except OSError as error:
+        raise ConfigError(f"trainer.resume={resume}: cannot read {error.filename or path} ({error.strerror}): "
+                          "make it readable (chmod -R u+rX) or resume from a copy") from None
+
+
+# The data set that check_command_line built, handed to the run (each built once, before any run
+# directory exists): key -> DataModule.
+_PREBUILT_DATA: dict[str, DataModule] = {}
+
+
+def _data_key(config: Config) -> str:
+    return repr((sorted(config.data.items()), config.seed))
+
+
+def _build_data(config: Config) -> DataModule:
+    seed_everything(config.seed)
+    return _instantiate("data", config.data)
 
 
 # ---- the run ------------------------------------------------------------------------------------
@@ -260,8 +359,8 @@ def _instantiate(group: str, node: dict, **kwargs):
 def build(config: Config) -> tuple[DataModule, torch.nn.Module]:
     """The data module, then the model: every MoE layer gets the gate settings (moe_kwargs), and the
     data fixes the model's input and output sizes unless the model config sets them itself."""
-    seed_everything(config.seed)
-    data = _instantiate("data", config.data)
+    data = _PREBUILT_DATA.pop(_data_key(config), None) or _build_data(config)
+    seed_everything(config.seed)  # the model's initial weights do not depend on how the data was built
     return data, build_model(config, data)
 
 
@@ -299,20 +398,56 @@ def _fail(message: str, code: int) -> typing.NoReturn:
     sys.exit(code)
 
 
+def _resume_command(run_dir: Path) -> str:
+    """The command that continues this run from its last checkpoint (inside Hydra's task only)."""
+    overrides = [o for o in HydraConfig.get().overrides.task if not o.startswith(("hydra.run.dir=", "trainer.resume="))]
+    return "moetrain " + " ".join(overrides + [f"hydra.run.dir={run_dir}", "trainer.resume=auto"])
+
+
+def _remove_partial_checkpoints(run_dir: Path) -> None:
+    """Temporary files of a checkpoint whose write failed; called once nothing writes any more."""
+    for partial in (Path(run_dir) / checkpoint.CHECKPOINT_DIR).rglob("*.tmp"):
+        partial.unlink(missing_ok=True)
+
+
+def _file_system_error(error: OSError, run_dir: Path) -> str:
+    """One line for a file that could not be read or written while the run went on."""
+    _remove_partial_checkpoints(run_dir)
+    where = f" {error.filename}" if error.filename else ""
+    saved = [p.name for p in checkpoint.checkpoints(Path(run_dir) / checkpoint.CHECKPOINT_DIR)]
+    kept = f"checkpoints saved before are intact ({', '.join(saved)})" if saved else "no checkpoint was saved yet"
+    return (f"cannot access{where}: {error.strerror or error}: free space or fix the permissions; {kept}; "
+            f"continue with: {_resume_command(run_dir)}")
+
+
+REPORTED = (ExtensionUnavailable, ConfigError, NonFiniteLoss, Terminated, OSError)
+
+
+def _error_line(error: BaseException, run_dir: Path) -> tuple[str, int]:
+    """The one line and exit code of an error (one of REPORTED) that ended the run: a config mistake
+    or a setup problem (2), a diverged run (1), SIGTERM after its checkpoint (143), a file that could
+    not be read or written (2)."""
+    if isinstance(error, ExtensionUnavailable):
+        return f"{error} (on the command line: gate.impl=torch)", EXIT_CONFIG_ERROR
+    if isinstance(error, ConfigError):
+        _remove_partial_checkpoints(run_dir)  # a checkpoint write that failed leaves no .tmp behind
+        return str(error), EXIT_CONFIG_ERROR
+    if isinstance(error, NonFiniteLoss):
+        return str(error), EXIT_TRAINING_FAILED
+    if isinstance(error, Terminated):
+        return str(error), error.exit_code
+    return _file_system_error(error, run_dir), EXIT_CONFIG_ERROR
+
+
 def _train_reporting(cfg: DictConfig, run_dir: Path, distributed: bool, report: bool = True) -> None:
     """train(), turning a config mistake or a diverged run into its exit code (and, when report,
-    its one line: in several processes only rank 0 reports, the others exit with the same code)."""
+    its one line: under torchrun only rank 0 reports, the others exit with the same code)."""
     try:
         train(cfg, run_dir, distributed)
-    except ExtensionUnavailable as error:  # a setup problem, said in one line with its fix
+    except REPORTED as error:
+        message, code = _error_line(error, run_dir)
         if report:
-            _fail(f"{error} (on the command line: gate.impl=torch)", EXIT_CONFIG_ERROR)
-        sys.exit(EXIT_CONFIG_ERROR)
-    except (ConfigError, NonFiniteLoss, Terminated) as error:
-        code = EXIT_CONFIG_ERROR if isinstance(error, ConfigError) else EXIT_TRAINING_FAILED
-        code = error.exit_code if isinstance(error, Terminated) else code  # SIGTERM, checkpoint saved: 143
-        if report:
-            _fail(str(error), code)
+            _fail(message, code)
         sys.exit(code)
 
 
@@ -342,8 +477,31 @@ def _worker_logging(run_dir: Path, is_main: bool) -> None:
 
 
 def _spawned_worker(rank: int, world_size: int, cfg: DictConfig, run_dir: Path) -> None:
+    """One of parallel.nproc_per_node workers: its errors go to the launcher, which reports them."""
     _worker_logging(run_dir, rank == 0)
-    _train_reporting(cfg, run_dir, distributed=True, report=rank == 0)
+    train(cfg, run_dir, distributed=True)
+
+
+def _report_worker_failure(failure: WorkerFailed, run_dir: Path, timeout_s: float) -> typing.NoReturn:
+    """One line for the worker that failed first; the others have been stopped."""
+    failed = failure.failed
+    if failed.error is not None and not failed.communication_error:
+        if isinstance(failed.error, REPORTED):
+            _fail(*_error_line(failed.error, run_dir))
+        sys.stderr.write(failed.traceback)  # a bug: its traceback, then the one line
+    _remove_partial_checkpoints(run_dir)
+    waited = f" (the others waited parallel.timeout_s={timeout_s:g} s for it)" if failed.stopped else ""
+    _fail(f"{failed.describe()}{waited}; every worker is stopped; continue from the last checkpoint with: "
+          f"{_resume_command(run_dir)}", EXIT_TRAINING_FAILED)
+
+
+def _report_sigterm(stopped: WorkersTerminated, run_dir: Path) -> typing.NoReturn:
+    """SIGTERM reached the launcher and, through it, every worker: rank 0 says where it stopped."""
+    first = stopped.exits[0]
+    if isinstance(first.error, Terminated):
+        _fail(str(first.error), first.error.exit_code)
+    _remove_partial_checkpoints(run_dir)
+    _fail(f"{stopped}; continue from the last checkpoint with: {_resume_command(run_dir)}", 128 + signal.SIGTERM)
 
 
 def _launch(cfg: DictConfig, run_dir: Path) -> None:
@@ -360,13 +518,18 @@ def _launch(cfg: DictConfig, run_dir: Path) -> None:
         backend = choose_backend(config.parallel.backend, resolve_device(config.trainer.device).type)
     except (ValueError, RuntimeError) as error:
         raise ConfigError(f"parallel.backend: {error}") from None
+    timeout_s = config.parallel.timeout_s
     if not torchrun:
+        _PREBUILT_DATA.clear()  # each worker builds its own
         try:
-            spawn(_spawned_worker, config.parallel.nproc_per_node, args=(cfg, run_dir), backend=backend)
-        except ProcessExitedException as error:  # the worker printed its one line
-            sys.exit(error.exit_code)
+            spawn(_spawned_worker, config.parallel.nproc_per_node, args=(cfg, run_dir), backend=backend,
+                  timeout_s=timeout_s)
+        except WorkerFailed as failure:
+            _report_worker_failure(failure, run_dir, timeout_s)
+        except WorkersTerminated as stopped:
+            _report_sigterm(stopped, run_dir)
         return
-    init_from_torchrun(backend)
+    init_from_torchrun(backend, timeout_s=timeout_s)
     try:
         # Every rank writes into rank 0's run directory (on several machines, pass hydra.run.dir).
         shared = [str(run_dir)]
@@ -379,22 +542,16 @@ def _launch(cfg: DictConfig, run_dir: Path) -> None:
 
 
 def _task(cfg: DictConfig) -> None:
-    hydra_config = HydraConfig.get()
-    run_dir = Path(hydra_config.runtime.output_dir)
+    run_dir = Path(HydraConfig.get().runtime.output_dir)
     try:
         _launch(cfg, run_dir)
     except ConfigError as error:
         _fail(str(error), EXIT_CONFIG_ERROR)
     except KeyboardInterrupt:
-        overrides = [o for o in hydra_config.overrides.task if not o.startswith(("hydra.run.dir=", "trainer.resume="))]
-        _fail(
-            "interrupted; continue from the last checkpoint with: moetrain "
-            + " ".join(overrides + [f"hydra.run.dir={run_dir}", "trainer.resume=auto"]),
-            EXIT_INTERRUPTED,
-        )
+        _fail(f"interrupted; continue from the last checkpoint with: {_resume_command(run_dir)}", EXIT_INTERRUPTED)
 
 
-def main() -> None:
+def _main() -> None:
     if "--version" in sys.argv[1:]:  # before Hydra's parser, whose --version prints Hydra's own
         print(f"moetrain {moetrain.__version__} (torch {torch.__version__}, hydra-core {hydra.__version__})")
         return
@@ -404,7 +561,21 @@ def main() -> None:
         _fail("moetrain composes its own configs: add yours with --config-dir DIR instead of -cp/-cn", EXIT_CONFIG_ERROR)
     if not (args.help or args.hydra_help or args.shell_completion or args.info):
         try:
-            check_command_line(args.overrides, args.multirun, args.config_dir)
+            # --cfg only prints the config: no data set is built (nor downloaded) for it.
+            check_command_line(args.overrides, args.multirun, args.config_dir, build_data=not args.cfg)
         except ConfigError as error:
             _fail(str(error), EXIT_CONFIG_ERROR)
     hydra.main(version_base="1.3", config_path=f"pkg://{CONFIG_MODULE}", config_name=CONFIG_NAME)(_task)()
+
+
+def main() -> None:
+    try:
+        try:
+            _main()
+        finally:
+            sys.stdout.flush()  # here, not at exit, so that a closed pipe is noticed below
+    except BrokenPipeError:
+        # `moetrain --help | head -3`: the reader has what it wanted. Stop quietly, as other
+        # command-line tools do (they die of SIGPIPE: exit status 141).
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        sys.exit(128 + signal.SIGPIPE)

@@ -10,8 +10,11 @@ dataclasses (or the plain dictionaries), never Hydra objects.
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import importlib
+import math
+import re
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Dict, List, Optional
@@ -118,6 +121,9 @@ class ParallelConfig:
     a2a_ffn_overlap_degree: int = 1  # chunks that overlap the all-to-all with expert compute (GPUs)
     zero: bool = False  # ZeRO-1: shard the optimizer state of shared (non-expert) parameters
     backend: Optional[str] = None  # nccl | gloo; null: NCCL on GPUs, Gloo on CPUs
+    # Seconds a collective waits for the other ranks before it fails (a frozen rank then stops the
+    # job with a message naming it instead of hanging it); a checkpoint save must fit in it too.
+    timeout_s: float = 300.0
 
 
 @dataclass
@@ -227,9 +233,40 @@ def _require(condition: bool, message: str) -> None:
         raise ConfigError(message)
 
 
+# The run directory is runs/<date>_<time>_<name>: a name is one short folder name.
+NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.=+,-]*")
+NAME_MAX_LENGTH = 100
+
+
+def _validate_name(name: str) -> None:
+    _require(
+        NAME_PATTERN.fullmatch(name) is not None and len(name) <= NAME_MAX_LENGTH,
+        f"name={name[:60]!r}{'...' if len(name) > 60 else ''} ({len(name)} characters) names the run directory "
+        f"runs/<date>_<time>_<name>, one folder: use at most {NAME_MAX_LENGTH} letters, digits and . _ - + = , "
+        f"starting with a letter or digit (no / and no ..)",
+    )
+
+
+def _validate_finite(node, path: str) -> None:
+    """No float key of the schema may be inf or nan: each is a weight, a rate, a ratio or a limit
+    for which such a value would only surface later, as a crash or a silently useless run."""
+    for item in dataclasses.fields(node):
+        value = getattr(node, item.name)
+        values = value if isinstance(value, list) else [value]
+        for number in values:
+            _require(
+                not isinstance(number, float) or math.isfinite(number),
+                f"{path}.{item.name} must be {'finite numbers' if isinstance(value, list) else 'a finite number'}, "
+                f"got {value}" + (f" (default {item.default})" if item.default is not dataclasses.MISSING else ""),
+            )
+
+
 def validate(cfg: Config) -> None:
     """Checks across keys and on value ranges; raises ConfigError with a one-line fix."""
     gate, trainer, optim = cfg.gate, cfg.trainer, cfg.optim
+    _validate_name(cfg.name)
+    for group in ("gate", "parallel", "optim", "trainer", "logger", "quant"):
+        _validate_finite(getattr(cfg, group), group)
     if gate._target_ is not None:
         gate_class(gate._target_)
     else:
@@ -244,6 +281,7 @@ def validate(cfg: Config) -> None:
     _require(gate.top_k >= 1, f"gate.top_k must be >= 1, got {gate.top_k}")
     num_experts = cfg.model.get("num_experts")
     if isinstance(num_experts, int):
+        _require(num_experts >= 1, f"model.num_experts must be >= 1, got {num_experts}: give each MoE layer experts")
         _require(
             gate.top_k <= num_experts,
             f"gate.top_k={gate.top_k} exceeds model.num_experts={num_experts}: "
@@ -255,6 +293,7 @@ def validate(cfg: Config) -> None:
     _require(parallel.adaptive_r >= 0, f"parallel.adaptive_r must be >= 0 (0 data parallel, 1 expert parallel), got {parallel.adaptive_r}")
     _require(parallel.a2a_ffn_overlap_degree >= 1, f"parallel.a2a_ffn_overlap_degree must be >= 1, got {parallel.a2a_ffn_overlap_degree}")
     _require(parallel.backend in (None, "nccl", "gloo"), f"parallel.backend must be nccl, gloo or null (by device), got {parallel.backend}")
+    _require(parallel.timeout_s > 0, f"parallel.timeout_s must be > 0 seconds, got {parallel.timeout_s}")
     ranks = parallel.nproc_per_node
     if parallel.strategy == ParallelStrategy.expert and ranks > 1 and isinstance(num_experts, int):
         _require(

@@ -30,6 +30,11 @@ class DataModule:
     def __post_init__(self):
         if self.task not in TASKS:
             raise ValueError(f"DataModule.task must be one of {TASKS}, got {self.task!r}")
+        # Named by their config keys (data.*): a data preset passes them through unchanged.
+        for key, smallest in (("batch_size", 1), ("eval_batch_size", 1), ("num_workers", 0)):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, int) or value < smallest:
+                raise ValueError(f"data.{key} must be an integer >= {smallest}, got {value!r}")
 
 
 class SeededTransform(Dataset):

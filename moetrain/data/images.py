@@ -8,7 +8,10 @@ turn it off only for files you made yourself (the tests fabricate small data set
 from __future__ import annotations
 
 import os
+import pickle
+import struct
 
+import numpy as np
 from torchvision import datasets, transforms
 from torchvision.datasets.utils import check_integrity
 
@@ -37,6 +40,45 @@ def _download_failed(name: str, root: str, folder: str, error: Exception) -> Con
         f"downloading {name} to data.root={root} failed ({type(error).__name__}: {error}): check the network, "
         f"or copy {folder} there yourself and set data.download=false"
     )
+
+
+def _cifar_file_problem(path: str, meta: bool) -> str | None:
+    """What is wrong with one file of cifar-10-batches-py, or None (run only after a failure)."""
+    try:
+        with open(path, "rb") as file:
+            entry = pickle.load(file, encoding="latin1")
+    except OSError as error:
+        return f"cannot be read ({error.strerror})"
+    except Exception as error:  # pickle raises many kinds on garbage bytes
+        return f"is not a pickled CIFAR-10 batch ({type(error).__name__}: {error})"
+    if not isinstance(entry, dict):
+        return f"holds a {type(entry).__name__}, not a CIFAR-10 batch (a dict)"
+    if meta:
+        names = entry.get("label_names")
+        return None if isinstance(names, list) and len(names) == 10 else "has no list of 10 label_names"
+    data, labels = entry.get("data"), entry.get("labels")
+    if not isinstance(data, np.ndarray) or data.ndim != 2 or data.shape[1] != 3 * 32 * 32:
+        return f"has no 'data' array of N x 3072 bytes (got {getattr(data, 'shape', type(data).__name__)})"
+    if not isinstance(labels, list) or len(labels) != len(data):
+        return f"has {len(labels) if isinstance(labels, list) else 'no'} labels for {len(data)} images"
+    bad = [(index, label) for index, label in enumerate(labels) if not (isinstance(label, int) and 0 <= label < 10)]
+    if bad:
+        index, label = bad[0]
+        return (f"has {len(bad)} labels outside the 10 classes 0..9 (the first: {label!r} of image {index})")
+    return None
+
+
+def _cifar_error(root: str, dataset_class, fallback: str) -> ConfigError:
+    """A ConfigError naming the first broken file of cifar-10-batches-py and what is wrong with it."""
+    folder = os.path.join(root, dataset_class.base_folder)
+    files = [name for name, _ in dataset_class.train_list + dataset_class.test_list]
+    for name in files + [dataset_class.meta["filename"]]:
+        problem = _cifar_file_problem(os.path.join(folder, name), meta=name not in files)
+        if problem:
+            fallback = f"CIFAR-10 file {os.path.join(folder, name)} {problem}"
+            break
+    return ConfigError(f"{fallback}: these are not CIFAR-10's files; delete {folder} and download again "
+                       "(data.download=true), or fix the file")
 
 
 def cifar10(
@@ -71,6 +113,11 @@ def cifar10(
                 else "set data.download=true, or point data.root at the folder holding cifar-10-batches-py"
             )
         ) from None
+    except Exception as error:  # files that exist but are not CIFAR-10 batches
+        raise _cifar_error(root, dataset_class, f"CIFAR-10 under data.root={root} does not load ({error})") from None
+    for split in (train, test):
+        if not all(isinstance(label, int) and 0 <= label < 10 for label in split.targets):
+            raise _cifar_error(root, dataset_class, f"CIFAR-10 under data.root={root} has labels outside 0..9")
     normalize = [transforms.ToTensor(), transforms.Normalize(CIFAR10_MEAN, CIFAR10_STD)]
     augmentation = [transforms.RandomCrop(32, padding=4), transforms.RandomHorizontalFlip()] if augment else []
     test.transform = transforms.Compose(normalize)
@@ -97,6 +144,57 @@ def _verify_mnist(raw_folder: str) -> None:
             )
 
 
+MNIST_FILES = {  # name -> dimensions after the count (idx format, unsigned bytes)
+    "train-images-idx3-ubyte": (28, 28), "train-labels-idx1-ubyte": (),
+    "t10k-images-idx3-ubyte": (28, 28), "t10k-labels-idx1-ubyte": (),
+}
+
+
+def _idx_problem(path: str, tail: tuple[int, ...]) -> tuple[str | None, int]:
+    """(what is wrong with one MNIST idx file or None, how many items it holds)."""
+    with open(path, "rb") as file:
+        content = file.read()
+    ndim = 1 + len(tail)
+    header = 4 + 4 * ndim
+    if len(content) < header:
+        return f"is {len(content)} bytes, shorter than an idx header ({header} bytes)", 0
+    if content[0] != 0 or content[1] != 0 or content[2] != 0x08 or content[3] != ndim:
+        return (f"starts with bytes {content[:4].hex(' ')}, not the idx magic 00 00 08 0{ndim} "
+                f"({ndim}-dimensional unsigned bytes)"), 0
+    dims = struct.unpack(f">{ndim}I", content[4:header])
+    if dims[1:] != tail:
+        return f"holds items of {'x'.join(map(str, dims[1:]))}, not {'x'.join(map(str, tail))}", 0
+    expected = header + int(np.prod(dims))
+    if len(content) != expected:
+        return f"is {len(content)} bytes, but its header promises {dims[0]} items ({expected} bytes)", 0
+    if not tail:
+        labels = np.frombuffer(content, dtype=np.uint8, offset=header)
+        if labels.size and int(labels.max()) > 9:
+            return f"has labels outside the 10 classes 0..9 (the largest: {int(labels.max())})", 0
+    return None, dims[0]
+
+
+def _check_mnist_files(raw_folder: str) -> None:
+    """The four idx files are what torchvision expects (it fails on others with empty messages)."""
+    counts = {}
+    for name, tail in MNIST_FILES.items():
+        path = os.path.join(raw_folder, name)
+        if not os.path.exists(path):
+            return  # torchvision reports missing files (or downloads them)
+        try:
+            problem, counts[name] = _idx_problem(path, tail)
+        except OSError as error:
+            problem = f"cannot be read ({error.strerror})"
+        if problem:
+            raise ConfigError(f"MNIST file {path} {problem}: it is not MNIST's; delete {raw_folder} and download "
+                              "again (data.download=true), or fix the file")
+    for split in ("train", "t10k"):
+        images, labels = counts[f"{split}-images-idx3-ubyte"], counts[f"{split}-labels-idx1-ubyte"]
+        if images != labels:
+            raise ConfigError(f"MNIST files {split}-images-idx3-ubyte and {split}-labels-idx1-ubyte in {raw_folder} "
+                              f"hold {images} images but {labels} labels: delete {raw_folder} and download again")
+
+
 def mnist(
     root: str = "data",
     download: bool = True,
@@ -108,6 +206,7 @@ def mnist(
     """MNIST (root/MNIST/raw, idx files): 60k training and 10k test digits, 28x28 grey, 10 classes."""
     root = _root(root)
     normalize = transforms.Compose([transforms.ToTensor(), transforms.Normalize(MNIST_MEAN, MNIST_STD)])
+    _check_mnist_files(os.path.join(root, "MNIST", "raw"))
     try:
         train = datasets.MNIST(root, train=True, download=download, transform=normalize)
         test = datasets.MNIST(root, train=False, download=False, transform=normalize)

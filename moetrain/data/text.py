@@ -76,33 +76,83 @@ def _files(path: Path) -> list[Path]:
     return files
 
 
-def read_corpus(path: str | Path, text_key: str = "text", token_dtype: str = "uint16") -> np.ndarray:
-    """The token stream of a file or directory (see the module doc)."""
+def _decode_utf8(data: bytes, file: Path, line_offset: int = 0) -> str:
+    """`data` as UTF-8, or a ValueError naming the file, the line and the byte that is not UTF-8."""
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as error:
+        line = line_offset + data.count(b"\n", 0, error.start) + 1
+        raise ValueError(
+            f"{file}:{line}: not UTF-8 text (byte 0x{data[error.start]:02x} at offset {error.start}): "
+            "convert the file to UTF-8 (e.g. iconv -t UTF-8), or tokenize it yourself into .npy/.bin token ids"
+        ) from None
+
+
+def _read_jsonl(file: Path, text_key: str, tokenizer: ByteTokenizer) -> list[int]:
+    ids: list[int] = []
+    with open(file, "rb") as handle:
+        for number, raw in enumerate(handle, 1):
+            line = _decode_utf8(raw, file, number - 1)
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as error:  # its line number counts within this one line
+                raise ValueError(f"{file}:{number}: invalid JSON at column {error.colno}: {error.msg}") from None
+            if not isinstance(record, dict) or not isinstance(record.get(text_key), str):
+                raise ValueError(f"{file}:{number}: expected a JSON object with a string under {text_key!r} (data.text_key)")
+            ids += tokenizer.encode(record[text_key]) + [tokenizer.eos_id]
+    return ids
+
+
+def _check_token_ids(tokens: np.ndarray, file: Path, vocab_size: int | None) -> None:
+    """Every id of a token file is in [0, vocab_size): a negative or too large id would index past
+    the embedding (an error on a CPU, garbage or a device fault on a GPU)."""
+    if len(tokens) == 0:
+        return
+    smallest, largest = int(tokens.min()), int(tokens.max())
+    if smallest < 0:
+        position = int(np.argmax(np.asarray(tokens) < 0))
+        raise ValueError(f"{file}: token id {smallest} is negative (first at position {position}): token ids must be "
+                         f"in [0, data.vocab_size); was the file written with another data.token_dtype?")
+    if vocab_size is not None and largest >= vocab_size:
+        position = int(np.argmax(np.asarray(tokens) >= vocab_size))
+        raise ValueError(f"{file}: token id {largest} (first too large at position {position}) is >= "
+                         f"data.vocab_size={vocab_size}: set data.vocab_size to the tokenizer's vocabulary size "
+                         f"(at least {largest + 1})")
+
+
+def read_corpus(path: str | Path, text_key: str = "text", token_dtype: str = "uint16",
+                vocab_size: int | None = None) -> np.ndarray:
+    """The token stream of a file or directory (see the module doc). Errors name the file (and the
+    line, for text); token files are checked against vocab_size when it is given."""
     if token_dtype not in TOKEN_DTYPES:
         raise ValueError(f"data.token_dtype must be one of {TOKEN_DTYPES}, got {token_dtype!r}")
     tokenizer = ByteTokenizer()
     pieces: list[np.ndarray] = []
     for file in _files(Path(path)):
         if file.suffix == ".npy":
-            array = np.load(file, mmap_mode="r")
+            try:
+                array = np.load(file, mmap_mode="r")
+            except (ValueError, OSError, EOFError) as error:
+                raise ValueError(f"{file}: not a readable .npy array ({error}): write it with numpy.save") from None
             if array.ndim != 1 or array.dtype.kind not in "iu":
                 raise ValueError(f"{file}: a .npy token file must be a 1-D integer array, got {array.dtype} {array.shape}")
+            _check_token_ids(array, file, vocab_size)
             pieces.append(array)
         elif file.suffix == ".bin":
-            pieces.append(np.memmap(file, dtype=token_dtype, mode="r"))
+            itemsize = np.dtype(token_dtype).itemsize
+            if file.stat().st_size % itemsize:
+                raise ValueError(f"{file}: {file.stat().st_size} bytes is not a whole number of {token_dtype} token ids: "
+                                 "set data.token_dtype to the type the file was written with")
+            array = np.memmap(file, dtype=token_dtype, mode="r") if file.stat().st_size else np.zeros(0, token_dtype)
+            _check_token_ids(array, file, vocab_size)
+            pieces.append(array)
         elif file.suffix == ".txt":
-            pieces.append(np.array(tokenizer.encode(file.read_text(encoding="utf-8")) + [tokenizer.eos_id], dtype=np.int32))
+            text = _decode_utf8(file.read_bytes(), file)
+            pieces.append(np.array(tokenizer.encode(text) + [tokenizer.eos_id], dtype=np.int32))
         else:
-            ids: list[int] = []
-            with open(file, encoding="utf-8") as handle:
-                for number, line in enumerate(handle, 1):
-                    if not line.strip():
-                        continue
-                    record = json.loads(line)
-                    if not isinstance(record, dict) or not isinstance(record.get(text_key), str):
-                        raise ValueError(f"{file}:{number}: expected a JSON object with a string under {text_key!r} (data.text_key)")
-                    ids += tokenizer.encode(record[text_key]) + [tokenizer.eos_id]
-            pieces.append(np.array(ids, dtype=np.int32))
+            pieces.append(np.array(_read_jsonl(file, text_key, tokenizer), dtype=np.int32))
     # One file stays memory-mapped; several are joined in memory.
     return pieces[0] if len(pieces) == 1 else np.concatenate(pieces)
 
@@ -125,13 +175,13 @@ def text(
         raise ValueError("data.path is not set: give the corpus, data=text data.path=FILE_OR_DIRECTORY")
     if seq_len < 1:
         raise ValueError(f"data.seq_len must be >= 1, got {seq_len}")
-    tokens = read_corpus(path, text_key, token_dtype)
     if _files(Path(path))[0].suffix in (".txt", ".jsonl"):
         vocab_size = vocab_size or ByteTokenizer.vocab_size
     elif vocab_size is None:
         raise ValueError("data.vocab_size must be set for token files (.npy/.bin): the tokenizer that wrote them knows it")
+    tokens = read_corpus(path, text_key, token_dtype, vocab_size)
     if eval_path is not None:
-        train_tokens, eval_tokens = tokens, read_corpus(eval_path, text_key, token_dtype)
+        train_tokens, eval_tokens = tokens, read_corpus(eval_path, text_key, token_dtype, vocab_size)
     else:
         if not 0 < eval_fraction < 1:
             raise ValueError(f"data.eval_fraction must be in (0, 1) when data.eval_path is unset, got {eval_fraction}")
@@ -143,9 +193,10 @@ def text(
             f"data.path {path!r} has {len(tokens)} tokens: too few for one training and one validation sequence "
             f"of data.seq_len={seq_len}; lower seq_len or add text"
         )
-    largest = int(max(train_tokens.max(), eval_tokens.max()))
+    largest = int(max(train_tokens.max(), eval_tokens.max()))  # text: bytes and end-of-text, up to 256
     if largest >= vocab_size:
-        raise ValueError(f"token id {largest} in data.path {path!r} is >= data.vocab_size={vocab_size}")
+        raise ValueError(f"token id {largest} in data.path {path!r} is >= data.vocab_size={vocab_size}: the byte "
+                         f"tokenizer needs data.vocab_size >= {ByteTokenizer.vocab_size} (or leave it unset)")
     return DataModule(
         task="language_modeling",
         train_set=train_set,
