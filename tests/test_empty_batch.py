@@ -96,7 +96,8 @@ def _steer_to_rank0_experts(layer: MoELayer) -> None:
         else:  # cosine: expert directions aligned with the projection of positive inputs, or against it
             layer.gate.proj.weight.copy_(torch.ones_like(layer.gate.proj.weight) / layer.model_dim)
             layer.gate.proj.bias.zero_()
-            layer.gate.expert_dirs_EP.copy_(torch.tensor([1.0, 0.9, -1.0, -0.9]).unsqueeze(1).expand_as(layer.gate.expert_dirs_EP))
+            directions_EP = torch.tensor([1.0, 0.9, -1.0, -0.9]).unsqueeze(1)
+            layer.gate.expert_dirs_EP.copy_(directions_EP.expand_as(layer.gate.expert_dirs_EP))
 
 
 def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -162,7 +163,8 @@ def ep_worker(rank: int, world: int, out_dir: str) -> None:
     results = {}
     for scenario, tokens in SCENARIOS.items():
         for name, settings, call in EP_LAYERS:
-            _compare(results, f"{scenario} / {name}", settings, call, tokens, scenario == "experts without tokens", rank)
+            steer = scenario == "experts without tokens"
+            _compare(results, f"{scenario} / {name}", settings, call, tokens, steer, rank)
     dist.barrier()
     torch.save(results, os.path.join(out_dir, f"results{rank}.pt"))
 

@@ -17,7 +17,8 @@ import pytest
 import torch
 
 from moetrain.models import CheckpointError, load_hf_checkpoint
-from test_hf_loading import deepseek_checkpoint, mixtral_checkpoint, qwen3_checkpoint, reference_logits, write_checkpoint
+from test_hf_loading import (deepseek_checkpoint, mixtral_checkpoint, qwen3_checkpoint, reference_logits,
+                             write_checkpoint)
 
 CHECKPOINTS = {"qwen3_moe": qwen3_checkpoint, "mixtral": mixtral_checkpoint, "deepseek_v3": deepseek_checkpoint}
 

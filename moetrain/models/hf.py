@@ -64,7 +64,8 @@ def _read(config: dict, *keys: str):
                               f"guess would change the model's outputs); add it")
     values = list(found.values())
     if any(value != values[0] for value in values[1:]):
-        raise CheckpointError(f"config.json sets {' and '.join(f'{k}={v!r}' for k, v in found.items())}: they must agree")
+        settings = " and ".join(f"{key}={value!r}" for key, value in found.items())
+        raise CheckpointError(f"config.json sets {settings}: they must agree")
     return values[0]
 
 
@@ -90,9 +91,11 @@ def _rope_scaling(config: dict) -> dict | None:
         _require(config, isinstance(parameters, dict) and not any(isinstance(v, dict) for v in parameters.values()),
                  f"rope_parameters must be one dict of rotary settings (per-layer-type settings are not "
                  f"implemented), got {parameters!r}")
-        scaling = {key: value for key, value in parameters.items() if key not in ("rope_theta", "partial_rotary_factor")}
+        scaling = {key: value for key, value in parameters.items()
+                   if key not in ("rope_theta", "partial_rotary_factor")}
         partial = parameters.get("partial_rotary_factor", 1.0)
-        _require(config, partial == 1.0, f"rope_parameters.partial_rotary_factor={partial} (partial rotary is not implemented)")
+        _require(config, partial == 1.0,
+                 f"rope_parameters.partial_rotary_factor={partial} (partial rotary is not implemented)")
         if scaling.get("rope_type", scaling.get("type", "default")) != "default":
             layouts["rope_parameters"] = scaling
     found = []

@@ -61,7 +61,8 @@ def make_plan(topk_idx_TK: torch.Tensor, priority_T: torch.Tensor | None, num_ex
     if batch_prioritized:
         if priority_T is None or priority_T.shape != (tokens,):
             shape = None if priority_T is None else tuple(priority_T.shape)
-            raise ValueError(f"batch-prioritized routing needs one priority score per token, shape ({tokens},); got {shape}")
+            raise ValueError(f"batch-prioritized routing needs one priority score per token, shape ({tokens},); "
+                             f"got {shape}")
         order_T = torch.argsort(priority_T, descending=True, stable=True)
         expert_idx_KT = topk_idx_TK.t()[:, order_T]
     else:
