@@ -1,7 +1,8 @@
 """Benchmark of one MoE layer, forward + backward: `python -m moetrain.bench`.
 
-On a GPU (the default when one is visible) it prints, for each shape of PERFORMANCE.md and from
-one run, the useful expert TFLOP/s of
+On a GPU (the default when one is visible) it prints, for each shape and from one run, the useful
+expert TFLOP/s and the peak memory of one step. FFN shapes (Tutel's benchmark: two-matrix ReLU
+experts with biases) have the columns
   moetrain           MoELayer, capacity factor 1.0 (padded layout, batched GEMMs, CUDA kernels)
   moetrain dropless  MoELayer, capacity factor 0 (packed layout, grouped GEMMs)
   naive              a loop over experts: gather, two matmuls, weighted index_add
@@ -13,10 +14,17 @@ one run, the useful expert TFLOP/s of
                      graph, the host's per-op cost gone (MODE reduce-overhead also replays it as a
                      CUDA graph); compile time is not counted
 with each figure's fraction of the ceiling and moetrain's ratio to the grouped_mm baseline.
+LM shapes (what Qwen3-MoE, DeepSeek-V3, Kimi-K2 and Mixtral train: softmax top-k with the k weights
+renormalised, dropless, bias-free SwiGLU experts) have the columns
+  moetrain           MoELayer(expert="swiglu", capacity_factor=0): fused gate/up grouped GEMM,
+                     fused SwiGLU, the routing kernels
+  grouped_mm         torch's recipe for them: sort, torch._grouped_mm three times, scatter back
+  gemms alone        the three expert GEMMs, forward and backward, on equal blocks (the bound)
 The ceiling is a short burst; a layer's GEMMs run for seconds, and a large one (mixtral) draws
 enough power for the card to lower its clocks, so "gemms alone" is the bound that shape can reach.
-Useful expert FLOPs = tokens * D * H * k * 2 matmuls * 2 flop/mac * 3 (forward + backward), the
-same count for every column. Step time: median of CUDA-event timings after warm-up.
+Useful expert FLOPs = tokens * D * H * k * matmuls (2 FFN, 3 SwiGLU) * 2 flop/mac * 3 (forward +
+backward), the same count for every column. Peak memory: what one step allocates beyond its inputs
+and weights (torch.cuda.max_memory_allocated). Step time: median of CUDA-event timings after warm-up.
 
 `--device cpu` runs scaled-down shapes and compares the C++ kernel path with the pure-torch path
 (impl="torch") and the naive loop as time ratios (absolute CPU times mean little on a shared
@@ -54,9 +62,11 @@ class Shape:
     hidden_size: int
     num_experts: int
     top_k: int
+    expert: str = "ffn"  # "ffn": ReLU FFN with biases, capacity-based; "swiglu": bias-free SwiGLU, dropless
 
     def useful_flops(self) -> float:
-        return self.tokens * self.model_dim * self.hidden_size * self.top_k * 2 * 2 * 3
+        matmuls = 3 if self.expert == "swiglu" else 2
+        return self.tokens * self.model_dim * self.hidden_size * self.top_k * matmuls * 2 * 3
 
 
 GPU_SHAPES = {
@@ -66,10 +76,16 @@ GPU_SHAPES = {
         Shape("mixtral", 8192, 4096, 14336, 8, 2),
         Shape("deepseek_fg", 8192, 2048, 1408, 64, 6),
         Shape("switch_top1", 16384, 1024, 4096, 16, 1),
+        Shape("moe_1b5", 32768, 2048, 2048, 8, 2, "swiglu"),
+        Shape("qwen3_30b", 16384, 2048, 768, 128, 8, "swiglu"),
+        Shape("mixtral_lm", 8192, 4096, 14336, 8, 2, "swiglu"),
+        Shape("dsv3", 8192, 7168, 2048, 256, 8, "swiglu"),
     )
 }
 # Targets from PERFORMANCE.md: (fraction of the dense ceiling, ratio to the grouped_mm baseline).
-TARGETS = {"gshard_2k": (0.60, 1.2), "mixtral": (0.88, 1.0), "deepseek_fg": (0.50, 1.3), "switch_top1": (0.50, 1.25)}
+TARGETS = {"gshard_2k": (0.60, 1.2), "mixtral": (0.88, 1.0), "deepseek_fg": (0.50, 1.3), "switch_top1": (0.50, 1.25),
+           "moe_1b5": (0.60, 1.3), "qwen3_30b": (0.55, 1.3), "mixtral_lm": (0.60, 1.3), "dsv3": (0.55, 1.3)}
+DROPLESS_TARGET = 1.25  # FFN shapes: the dropless column against the grouped_mm baseline
 # For a few-core CPU: the four GPU shapes with tokens and widths divided by 8 (experts and k kept),
 # and the two configurations measured on a 2-core machine in PERFORMANCE.md.
 CPU_SHAPES = {
@@ -81,6 +97,8 @@ CPU_SHAPES = {
         Shape("switch_top1/8", 2048, 128, 512, 16, 1),
         Shape("cpu_e8_k2", 2048, 256, 512, 8, 2),
         Shape("cpu_e32_k4", 2048, 256, 128, 32, 4),
+        Shape("moe_1b5/8", 4096, 256, 256, 8, 2, "swiglu"),
+        Shape("qwen3_30b/8", 2048, 256, 96, 128, 8, "swiglu"),
     )
 }
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -90,22 +108,37 @@ COMPILE_MODES = ("default", "reduce-overhead", "max-autotune-no-cudagraphs")
 # ---- the two baselines, on the MoE layer's own parameters so that every column does the same arithmetic
 
 
-def _route(x_TD: torch.Tensor, gate_ED: torch.Tensor, top_k: int):
-    """The layer's "top" gate: softmax over experts in fp32 (fp64 for fp64), the k largest probabilities."""
+def _route(x_TD: torch.Tensor, gate_ED: torch.Tensor, top_k: int, normalize: bool = False):
+    """The layer's "top" gate: softmax over experts in fp32 (fp64 for fp64), the k largest
+    probabilities (renormalised to sum to one when normalize, as Qwen3-MoE and Mixtral route)."""
     router_dtype = torch.promote_types(x_TD.dtype, torch.float32)
     probs_TE = torch.softmax(x_TD.to(router_dtype) @ gate_ED.to(router_dtype).t(), dim=-1)
-    return torch.topk(probs_TE, top_k, dim=-1)
+    weight_TK, idx_TK = torch.topk(probs_TE, top_k, dim=-1)
+    if normalize:
+        weight_TK = weight_TK / weight_TK.sum(dim=-1, keepdim=True)
+    return weight_TK, idx_TK
+
+
+def _swiglu_weights(experts) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(w_gate, w_up, w_down) of SwiGLU experts as [E, in, out] tensors."""
+    return experts.w_gate, experts.w_up, experts.w_down
 
 
 def naive_moe(layer: MoELayer, x_TD: torch.Tensor) -> torch.Tensor:
-    """Loop over experts: each gathers its tokens, runs its FFN and adds the weighted output back."""
+    """Loop over experts: each gathers its tokens, runs its FFN (or SwiGLU) and adds the weighted output back."""
     experts = layer.experts
-    weight_TK, idx_TK = _route(x_TD, layer.gate.weight_ED, layer.top_k)
+    swiglu = layer_kind(layer) == "swiglu"
+    weight_TK, idx_TK = _route(x_TD, layer.gate.weight_ED, layer.top_k, normalize=swiglu)
     y_TD = torch.zeros_like(x_TD)
     for e in range(layer.num_experts):
         token_N, choice_N = torch.nonzero(idx_TK == e, as_tuple=True)
-        h_NH = F.relu(x_TD[token_N] @ experts.w1[e] + experts.b1[e])
-        out_ND = h_NH @ experts.w2[e] + experts.b2[e]
+        if swiglu:
+            w_gate, w_up, w_down = _swiglu_weights(experts)
+            x_ND = x_TD[token_N]
+            out_ND = (F.silu(x_ND @ w_gate[e]) * (x_ND @ w_up[e])) @ w_down[e]
+        else:
+            h_NH = F.relu(x_TD[token_N] @ experts.w1[e] + experts.b1[e])
+            out_ND = h_NH @ experts.w2[e] + experts.b2[e]
         y_TD = y_TD.index_add(0, token_N, (out_ND * weight_TK[token_N, choice_N, None]).to(x_TD.dtype))
     return y_TD
 
@@ -145,6 +178,38 @@ class GroupedMMBaseline:
         return torch.zeros_like(x_TD).index_add(0, token_N, out_ND)
 
 
+class GroupedMMSwiGLUBaseline:
+    """torch's recipe for dropless SwiGLU experts (torchtitan's): softmax top-k renormalised, sort the
+    choices by expert, torch._grouped_mm for gate, up and down on [E, out, in] weights (K-major),
+    silu(gate) * up, weighted index_add back; no host sync."""
+
+    def __init__(self, layer: MoELayer):
+        self.layer = layer
+        self.weights = [w.detach().transpose(1, 2).contiguous().requires_grad_() for w in _swiglu_weights(layer.experts)]
+
+    def parameters(self) -> list[torch.Tensor]:
+        return [self.layer.gate.weight_ED] + self.weights
+
+    def __call__(self, x_TD: torch.Tensor) -> torch.Tensor:
+        layer = self.layer
+        w_gate_EHD, w_up_EHD, w_down_EDH = self.weights
+        weight_TK, idx_TK = _route(x_TD, layer.gate.weight_ED, layer.top_k, normalize=True)
+        expert_N = idx_TK.reshape(-1)
+        order_N = torch.argsort(expert_N, stable=True)
+        token_N = order_N // layer.top_k
+        offsets_E = torch.cumsum(torch.bincount(expert_N, minlength=layer.num_experts), 0, dtype=torch.int32)
+        x_ND = x_TD[token_N]
+        gate_NH = torch._grouped_mm(x_ND, w_gate_EHD.transpose(1, 2), offs=offsets_E)
+        up_NH = torch._grouped_mm(x_ND, w_up_EHD.transpose(1, 2), offs=offsets_E)
+        out_ND = torch._grouped_mm(F.silu(gate_NH) * up_NH, w_down_EDH.transpose(1, 2), offs=offsets_E)
+        out_ND = out_ND * weight_TK.reshape(-1)[order_N, None].to(out_ND.dtype)
+        return torch.zeros_like(x_TD).index_add(0, token_N, out_ND)
+
+
+def layer_kind(layer: MoELayer) -> str:
+    return "swiglu" if hasattr(layer.experts, "w_gate_up") else "ffn"
+
+
 # ---- timing
 
 
@@ -181,18 +246,40 @@ def _forward_backward(fn: Callable[[torch.Tensor], torch.Tensor], x_TD: torch.Te
 
 def gemms_alone(layer: MoELayer, shape: Shape, x_TD: torch.Tensor) -> Callable[[], None]:
     """One step of only the expert GEMMs, forward and backward, on [E, C, D] blocks (C = T*K/E)
-    of the input's values, with the layer's weights: no routing, bias, activation or copies."""
+    of the input's values, with the layer's weights: no routing, bias, activation or copies. (The
+    first GEMM's own output gradient stands in for the activation's, so each GEMM runs once.)"""
     experts = layer.experts
     capacity = shape.tokens * shape.top_k // shape.num_experts
     x_ECD = x_TD.detach().repeat(shape.top_k, 1)[: capacity * shape.num_experts].view(shape.num_experts, capacity, -1)
     x_ECD.requires_grad_()
-    w1, w2 = experts.w1, experts.w2
+    if shape.expert == "swiglu":  # [E, C, D] x [E, D, 2H], then the first H columns x [E, H, D]
+        w1, w2, hidden = experts.w_gate_up, experts.w_down, shape.hidden_size
+    else:
+        w1, w2, hidden = experts.w1, experts.w2, None
 
     def step():
-        y_ECD = torch.bmm(torch.bmm(x_ECD, w1), w2)
-        torch.autograd.grad(y_ECD, [x_ECD, w1, w2], y_ECD.detach())
+        h_ECH = torch.bmm(x_ECD, w1)
+        y_ECD = torch.bmm(h_ECH[..., :hidden] if hidden else h_ECH, w2)
+        torch.autograd.grad([h_ECH, y_ECD], [x_ECD, w1, w2], [h_ECH.detach(), y_ECD.detach()])
 
     return step
+
+
+def peak_step_gib(step: Callable[[], None], device: torch.device) -> float:
+    """GiB one step allocates at its peak beyond what was allocated before it (CUDA only)."""
+    if device.type != "cuda":
+        return float("nan")
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    before = torch.cuda.memory_allocated(device)
+    step()
+    torch.cuda.synchronize(device)
+    return (torch.cuda.max_memory_allocated(device) - before) / 2**30
+
+
+def _measure(step: Callable[[], None], shape: Shape, device: torch.device, warmup: int, steps: int) -> dict:
+    ms = _time_steps(step, device, warmup, steps)
+    return {"ms": ms, "tflops": shape.useful_flops() / (ms * 1e-3) / 1e12, "peak_gib": peak_step_gib(step, device)}
 
 
 def dense_ceiling(device: torch.device, dtype: torch.dtype, size: int = 8192, warmup: int = 3, steps: int = 20) -> float:
@@ -205,14 +292,17 @@ def dense_ceiling(device: torch.device, dtype: torch.dtype, size: int = 8192, wa
 
 def build_layer(shape: Shape, device: torch.device, dtype: torch.dtype, capacity_factor: float, impl: str) -> MoELayer:
     torch.manual_seed(0)
+    swiglu = shape.expert == "swiglu"
     layer = MoELayer(model_dim=shape.model_dim, num_experts=shape.num_experts, hidden_size=shape.hidden_size,
-                     top_k=shape.top_k, gate="top", capacity_factor=capacity_factor, activation="relu", expert="ffn",
-                     impl=impl)
+                     top_k=shape.top_k, gate="top", capacity_factor=0.0 if swiglu else capacity_factor,
+                     activation="silu" if swiglu else "relu", expert=shape.expert, impl=impl,
+                     gate_kwargs={"normalize": True} if swiglu else None)
     layer = layer.to(device=device, dtype=dtype)
     layer.gate.to(torch.promote_types(dtype, torch.float32))  # the router computes in fp32 (or fp64)
-    with torch.no_grad():  # biases start at zero; give them values so their arithmetic is real
-        layer.experts.b1.normal_(0, 0.02)
-        layer.experts.b2.normal_(0, 0.02)
+    if not swiglu:
+        with torch.no_grad():  # biases start at zero; give them values so their arithmetic is real
+            layer.experts.b1.normal_(0, 0.02)
+            layer.experts.b2.normal_(0, 0.02)
     return layer
 
 
@@ -245,20 +335,23 @@ def bench_shape(shape: Shape, device: torch.device, dtype: torch.dtype, capacity
     x_TD = torch.randn(shape.tokens, shape.model_dim, device=device, dtype=dtype, requires_grad=True)
     layer = build_layer(shape, device, dtype, capacity_factor, impl="kernel")
     params = list(layer.parameters())
+    swiglu = shape.expert == "swiglu"
     columns: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {"moetrain": layer}
     if device.type == "cuda":
-        columns["moetrain_dropless"] = lambda x: layer(x, capacity_factor=0)
-        if grouped.grouped_mm_supported(x_TD, layer.experts.w1)[0]:
-            columns["grouped_mm"] = GroupedMMBaseline(layer)
+        if not swiglu:
+            columns["moetrain_dropless"] = lambda x: layer(x, capacity_factor=0)
+        if grouped.grouped_mm_supported(x_TD, layer.experts.w_down if swiglu else layer.experts.w1)[0]:
+            columns["grouped_mm"] = GroupedMMSwiGLUBaseline(layer) if swiglu else GroupedMMBaseline(layer)
     else:
         torch_layer = build_layer(shape, device, dtype, capacity_factor, impl="torch")
         torch_layer.load_state_dict(layer.state_dict())
         columns["moetrain_torch"] = torch_layer
-    columns["naive"] = lambda x: naive_moe(layer, x)
+    if device.type == "cpu" or not swiglu:  # on the GPU the LM shapes' loop costs minutes and adds nothing
+        columns["naive"] = lambda x: naive_moe(layer, x)
     if compile_mode is not None:
         torch._dynamo.reset()  # each shape traces afresh
         columns["compiled"] = torch.compile(layer, mode=None if compile_mode == "default" else compile_mode)
-    result = {"shape": asdict(shape), "capacity_factor": capacity_factor}
+    result = {"shape": asdict(shape), "capacity_factor": 0.0 if swiglu else capacity_factor}
     for name, fn in columns.items():
         fn_params = list(fn.parameters()) if name in ("moetrain_torch", "grouped_mm") else params
         step = _forward_backward(fn, x_TD, fn_params)
@@ -270,11 +363,9 @@ def bench_shape(shape: Shape, device: torch.device, dtype: torch.dtype, capacity
                 result["compiled_error"] = f"{type(error).__name__}: {str(error).strip().splitlines()[0][:200]}"
                 continue
             result["compile_s"] = time.perf_counter() - begin
-        ms = _time_steps(step, device, warmup, steps)
-        result[name] = {"ms": ms, "tflops": shape.useful_flops() / (ms * 1e-3) / 1e12}
+        result[name] = _measure(step, shape, device, warmup, steps)
     if device.type == "cuda":
-        ms = _time_steps(gemms_alone(layer, shape, x_TD), device, warmup, steps)
-        result["gemms_alone"] = {"ms": ms, "tflops": shape.useful_flops() / (ms * 1e-3) / 1e12}
+        result["gemms_alone"] = _measure(gemms_alone(layer, shape, x_TD), shape, device, warmup, steps)
     with torch.no_grad():
         layer(x_TD)  # the last call decides layer.stats: make it the moetrain column's
     result["dropped_fraction"] = layer.stats.dropped_fraction
@@ -286,30 +377,57 @@ def bench_shape(shape: Shape, device: torch.device, dtype: torch.dtype, capacity
 # ---- reports
 
 
+def _tflops(result: dict, column: str) -> float:
+    return result[column]["tflops"] if column in result else float("nan")
+
+
+def _peak(result: dict, column: str) -> str:
+    return f"{result[column]['peak_gib']:.1f}" if column in result else "-"
+
+
 def gpu_table(results: list[dict], ceiling: float) -> str:
-    head = (f"{'shape':<12} {'moetrain':>9} {'dropless':>9} {'naive':>7} {'grouped':>8} {'gemms':>6}   "
-            f"{'of ceiling':>10} {'target':>6} {'gemms':>6}   {'vs grouped':>10} {'target':>6}")
-    lines = [head, "-" * len(head)]
-    for r in results:
-        name = r["shape"]["name"]
-        fraction = r["moetrain"]["tflops"] / ceiling
-        # The grouped_mm column is absent where torch._grouped_mm does not run (not bf16, say).
-        grouped_tflops = r["grouped_mm"]["tflops"] if "grouped_mm" in r else float("nan")
-        ratio = r["moetrain"]["tflops"] / grouped_tflops
-        target_fraction, target_ratio = TARGETS.get(name, (float("nan"), float("nan")))
-        gemms = r.get("gemms_alone", {}).get("tflops", float("nan"))
-        lines.append(
-            f"{name:<12} {r['moetrain']['tflops']:9.0f} {r['moetrain_dropless']['tflops']:9.0f} "
-            f"{r['naive']['tflops']:7.0f} {grouped_tflops:8.0f} {gemms:6.0f}   {fraction:10.0%} {target_fraction:6.0%} "
-            f"{gemms / ceiling:6.0%}   {ratio:9.2f}x {target_ratio:5.2f}x"
-        )
+    lines = []
+    ffn = [r for r in results if r["shape"].get("expert", "ffn") == "ffn"]
+    lm = [r for r in results if r["shape"].get("expert", "ffn") == "swiglu"]
+    if ffn:
+        head = (f"{'FFN shape':<12} {'moetrain':>9} {'dropless':>9} {'naive':>7} {'grouped':>8} {'gemms':>6}   "
+                f"{'of ceiling':>10} {'target':>6} {'gemms':>6}   {'vs grouped':>10} {'target':>6}   "
+                f"{'dropless':>8} {'target':>6}   {'peak GiB':>8}")
+        lines += [head, "-" * len(head)]
+        for r in ffn:
+            name = r["shape"]["name"]
+            moetrain, grouped_tflops, gemms = _tflops(r, "moetrain"), _tflops(r, "grouped_mm"), _tflops(r, "gemms_alone")
+            target_fraction, target_ratio = TARGETS.get(name, (float("nan"), float("nan")))
+            lines.append(
+                f"{name:<12} {moetrain:9.0f} {_tflops(r, 'moetrain_dropless'):9.0f} {_tflops(r, 'naive'):7.0f} "
+                f"{grouped_tflops:8.0f} {gemms:6.0f}   {moetrain / ceiling:10.0%} {target_fraction:6.0%} "
+                f"{gemms / ceiling:6.0%}   {moetrain / grouped_tflops:9.2f}x {target_ratio:5.2f}x   "
+                f"{_tflops(r, 'moetrain_dropless') / grouped_tflops:7.2f}x {DROPLESS_TARGET:5.2f}x   "
+                f"{_peak(r, 'moetrain'):>8}"
+            )
+        lines.append("FFN: ReLU experts with biases, capacity factor 1.0 (moetrain) or dropless; the dropless "
+                     "ratio is against grouped")
+    if lm:
+        head = (f"{'LM shape':<12} {'moetrain':>9} {'grouped':>8} {'gemms':>6}   {'of ceiling':>10} {'target':>6} "
+                f"{'gemms':>6}   {'vs grouped':>10} {'target':>6}   {'peak GiB moetrain/grouped':>25}")
+        lines += ([""] if lines else []) + [head, "-" * len(head)]
+        for r in lm:
+            name = r["shape"]["name"]
+            moetrain, grouped_tflops, gemms = _tflops(r, "moetrain"), _tflops(r, "grouped_mm"), _tflops(r, "gemms_alone")
+            target_fraction, target_ratio = TARGETS.get(name, (float("nan"), float("nan")))
+            lines.append(
+                f"{name:<12} {moetrain:9.0f} {grouped_tflops:8.0f} {gemms:6.0f}   {moetrain / ceiling:10.0%} "
+                f"{target_fraction:6.0%} {gemms / ceiling:6.0%}   {moetrain / grouped_tflops:9.2f}x {target_ratio:5.2f}x   "
+                f"{_peak(r, 'moetrain') + ' / ' + _peak(r, 'grouped_mm'):>25}"
+            )
+        lines.append("LM: dropless bias-free SwiGLU experts, softmax top-k renormalised")
     lines.append(f"useful expert TFLOP/s, forward + backward; dense GEMM ceiling {ceiling:.0f} TFLOP/s; "
                  "gemms = the expert GEMMs alone (the bound)")
     compiled = [r for r in results if "compiled" in r]
     if compiled:
         lines.append("torch.compile(layer): " + "; ".join(
             f"{r['shape']['name']} {r['compiled']['tflops']:.0f} TFLOP/s ({r['compiled']['tflops'] / ceiling:.0%}, "
-            f"{r['compiled']['tflops'] / r['grouped_mm']['tflops'] if 'grouped_mm' in r else float('nan'):.2f}x grouped, "
+            f"{r['compiled']['tflops'] / _tflops(r, 'grouped_mm'):.2f}x grouped, "
             f"compiled in {r['compile_s']:.0f} s)" for r in compiled))
     lines += [f"torch.compile(layer) failed on {r['shape']['name']}: {r['compiled_error']}"
               for r in results if "compiled_error" in r]

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moetrain import ops
+from moetrain.ops import swiglu
 from moetrain.ops.grouped import add_expert_bias, expert_matmul, padded_matmul, padded_uses_bmm
 
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {"relu": F.relu, "gelu": F.gelu, "silu": F.silu}
@@ -96,19 +97,47 @@ class FFNExperts(Experts):
 
 
 class SwiGLUExperts(Experts):
-    """SwiGLU per expert (Llama, Qwen3, DeepSeek): (silu(x @ w_gate) * (x @ w_up)) @ w_down."""
+    """SwiGLU per expert (Llama, Qwen3, DeepSeek): (silu(x @ w_gate) * (x @ w_up)) @ w_down.
+
+    The gate and up projections are one parameter, w_gate_up [E, D, 2H], whose columns alternate
+    gate and up (column 2j is gate unit j, 2j+1 up unit j): one grouped GEMM computes both (one
+    read of the tokens, one larger GEMM), the activation reads each unit's pair side by side
+    (moetrain.ops.swiglu), and a slice j0:j1 of the hidden units is columns 2*j0:2*j1 (what
+    adaptive_r > 1 cuts). w_gate and w_up read as views of it; state dicts with separate w_gate and
+    w_up entries (moetrain before the fused layout) still load."""
 
     def __init__(self, num_experts: int, model_dim: int, hidden_size: int, activation: str = "silu"):
         super().__init__(num_experts, model_dim, hidden_size)
         self.act = activation_fn(activation)
-        self.w_gate = _uniform((num_experts, model_dim, hidden_size), model_dim)
-        self.w_up = _uniform((num_experts, model_dim, hidden_size), model_dim)
+        self.activation = activation
+        # Drawn in the order of the separate parameters (gate, up, down): same seed, same values.
+        w_gate = _uniform((num_experts, model_dim, hidden_size), model_dim)
+        w_up = _uniform((num_experts, model_dim, hidden_size), model_dim)
+        self.w_gate_up = mark_expert(nn.Parameter(swiglu.interleave_gate_up(w_gate.data, w_up.data)))
         self.w_down = _uniform((num_experts, hidden_size, model_dim), hidden_size)
+        self.register_load_state_dict_pre_hook(_fuse_gate_up_entries)
+
+    @property
+    def w_gate(self) -> torch.Tensor:
+        """[E, D, H] view of the gate projection's columns of w_gate_up."""
+        return swiglu.split_gate_up(self.w_gate_up)[0]
+
+    @property
+    def w_up(self) -> torch.Tensor:
+        """[E, D, H] view of the up projection's columns of w_gate_up."""
+        return swiglu.split_gate_up(self.w_gate_up)[1]
 
     def forward(self, x_RD, counts_E, capacity):
-        gate_RH = expert_matmul(x_RD, self.w_gate, counts_E, capacity)
-        up_RH = expert_matmul(x_RD, self.w_up, counts_E, capacity)
-        return expert_matmul(self.act(gate_RH) * up_RH, self.w_down, counts_E, capacity)
+        gate_up_RH2 = expert_matmul(x_RD, self.w_gate_up, counts_E, capacity)
+        h_RH = swiglu.gated_activation(gate_up_RH2, self.activation, self.impl)
+        return expert_matmul(h_RH, self.w_down, counts_E, capacity)
+
+
+def _fuse_gate_up_entries(module, state_dict, prefix, *args) -> None:
+    """load_state_dict pre-hook: separate w_gate and w_up entries become the fused w_gate_up."""
+    gate, up = prefix + "w_gate", prefix + "w_up"
+    if gate in state_dict and up in state_dict and prefix + "w_gate_up" not in state_dict:
+        state_dict[prefix + "w_gate_up"] = swiglu.interleave_gate_up(state_dict.pop(gate), state_dict.pop(up))
 
 
 EXPERTS: dict[str, type[Experts]] = {"ffn": FFNExperts, "swiglu": SwiGLUExperts}

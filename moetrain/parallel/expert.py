@@ -53,7 +53,7 @@ from moetrain.parallel.layout import ExpertLayout
 # without one (the output bias), added by slice 0 only so the summed slices add it once.
 HIDDEN_AXES: dict[type[Experts], dict[str, int | None]] = {
     FFNExperts: {"w1": 2, "b1": 1, "w2": 1, "b2": None},
-    SwiGLUExperts: {"w_gate": 2, "w_up": 2, "w_down": 1},
+    SwiGLUExperts: {"w_gate_up": 2, "w_down": 1},  # w_gate_up alternates gate and up columns: a hidden slice is contiguous
 }
 
 
@@ -185,8 +185,9 @@ class ExpertParallel:
             axis = axes[name]
             if axis is None:
                 sliced[name] = param if j == 0 else param * 0
-            else:
-                sliced[name] = param.narrow(axis, j * piece, piece)
+            else:  # a fused parameter (w_gate_up: 2H columns) holds several columns per hidden unit
+                per_unit = param.size(axis) // experts.hidden_size
+                sliced[name] = param.narrow(axis, j * piece * per_unit, piece * per_unit)
         return sliced
 
     # ------------------------------------------------------------------ token exchange
