@@ -240,9 +240,12 @@ class Trainer:
         """A resumed run that has already reached trainer.max_steps: its final metrics, kept as they are."""
         path = self.run_dir / "metrics.json"
         if path.is_file():
-            return json.loads(path.read_text())
+            written = json.loads(path.read_text())
+            if written.get("step") == self.step:
+                return written
+        # Resumed into a new run directory (or metrics.json was lost): the checkpoint's final metrics.
         metrics = {**self.metrics, "step": self.step, "skipped_steps": self.skipped_steps}
-        if self.strategy.is_main:  # resumed into a new run directory: the checkpoint's final metrics
+        if self.strategy.is_main:
             path.write_text(json.dumps(metrics, indent=2) + "\n")
         return metrics
 
