@@ -11,13 +11,13 @@ import pytest
 import torch
 from torch import nn
 
+import reference_gates
 from moetrain import MoELayer
 from moetrain.moe import FFNExperts, moe_layers
 from moetrain.quant import (
     QuantizedExperts, QuantPolicy, calibrate, expert_memory, format_memory, get_format, load_quantized,
     quantize_model, save_quantized,
 )
-from moetrain.quant.formats import dequantize_fp8_groups, quantize_fp8_groups
 from moetrain.quant.matmul import emulated_matmul, per_expert_scaled_mm, quantize_activations
 
 MIXED = ["bf16", "fp8", "fp8_block", "mxfp4", "nvfp4", "fp8"]
@@ -34,31 +34,107 @@ def make_layer(expert: str, capacity_factor: float, seed: int = 0, **kwargs) -> 
     return layer
 
 
+# ---- weights quantized from the format specs, not by moetrain.quant.formats ------------------------
+# E2M1 (OCP MX spec, FP4): sign, 2 exponent bits (bias 1), 1 mantissa bit; codes 0..7 are these
+# magnitudes. E4M3 ("fn", OCP FP8): bias 7, subnormals at exponent 0, largest finite 448.
+E2M1_MAGNITUDES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], dtype=torch.float64)
+E4M3_MAGNITUDES = torch.tensor(
+    [(m / 8) * 2.0**-6 if e == 0 else (1 + m / 8) * 2.0 ** (e - 7) for e in range(16) for m in range(8)][:127],
+    dtype=torch.float64,
+)  # codes 0x00..0x7E: 0x7F is NaN
+
+
+def round_to_grid(v: torch.Tensor, magnitudes: torch.Tensor) -> torch.Tensor:
+    """Nearest magnitude of the grid (codes in increasing order), ties to the even code, saturating
+    at the largest; the sign is kept."""
+    distance = (v.double().abs().unsqueeze(-1) - magnitudes).abs()
+    nearest = distance == distance.min(-1, keepdim=True).values
+    odd = torch.arange(len(magnitudes)) % 2
+    code = torch.where(nearest, 2 * torch.arange(len(magnitudes)) + odd * 4 * len(magnitudes), 10**9).argmin(-1)
+    return torch.copysign(magnitudes[code], v.double())
+
+
+def spec_quantized(name: str, w_NK: torch.Tensor) -> torch.Tensor:
+    """w_NK quantized and dequantized per format, from the specs (float64; scaling blocks along K)."""
+    w = w_NK.double()
+    n, k = w.shape
+    if name == "bf16":
+        return w_NK.bfloat16().double()
+    if name == "fp8":  # per output channel: scale = amax / 448
+        scale = w.abs().amax(1, keepdim=True) / 448
+        return round_to_grid(w / scale, E4M3_MAGNITUDES) * scale
+    if name == "fp8_block":  # DeepSeek-V3: one scale per 128x128 block
+        out = torch.empty_like(w)
+        for r in range(0, n, 128):
+            for c in range(0, k, 128):
+                block = w[r : r + 128, c : c + 128]
+                scale = block.abs().max() / 448
+                out[r : r + 128, c : c + 128] = round_to_grid(block / scale, E4M3_MAGNITUDES) * scale
+        return out
+    if name == "mxfp4":  # OCP MX: 32 elements share 2^(floor(log2 amax) - emax_elem), emax_elem(E2M1) = 2
+        out = torch.empty_like(w)
+        for c in range(0, k, 32):
+            block = w[:, c : c + 32]
+            amax = block.abs().amax(1, keepdim=True)
+            scale = torch.pow(2.0, torch.floor(torch.log2(amax)) - 2).clamp(min=2.0**-127)
+            out[:, c : c + 32] = round_to_grid(block / scale, E2M1_MAGNITUDES) * scale
+        return out
+    if name == "nvfp4":  # NVFP4: an fp32 tensor scale, an E4M3 scale per 16 elements, E2M1 values
+        tensor_scale = torch.tensor(float(w.abs().max()) / (448 * 6), dtype=torch.float32).double()
+        out = torch.empty_like(w)
+        for c in range(0, k, 16):
+            block = w[:, c : c + 16]
+            block_scale = round_to_grid(block.abs().amax(1, keepdim=True).float().double() / 6 / tensor_scale,
+                                        E4M3_MAGNITUDES)
+            scale = (block_scale * tensor_scale).float().double()  # the effective scale, an fp32 number
+            out[:, c : c + 16] = round_to_grid(block / scale, E2M1_MAGNITUDES) * scale
+        return out
+    raise ValueError(name)
+
+
+def spec_activations(name: str, x_RK: torch.Tensor) -> torch.Tensor:
+    """fp8: E4M3 activations per token (fp8) or per 1x128 group (fp8_block), scale = amax / 448."""
+    if name not in ("fp8", "fp8_block"):
+        return x_RK.double()
+    group = x_RK.size(-1) if name == "fp8" else 128
+    out = torch.empty(x_RK.shape, dtype=torch.float64)
+    for c in range(0, x_RK.size(-1), group):
+        part = x_RK[:, c : c + group].double()
+        scale = part.abs().amax(1, keepdim=True).float().double() / 448
+        out[:, c : c + group] = round_to_grid(part / scale, E4M3_MAGNITUDES) * scale
+    return out
+
+
+def test_spec_reference_quantizes_like_the_formats_promise():
+    """The reference itself: grid points stay, midpoints go to the even code, overflow saturates."""
+    assert round_to_grid(torch.tensor([0.25, 0.75, 2.5, 5.0, 7.0, -100.0]), E2M1_MAGNITUDES).tolist() == [
+        0.0, 1.0, 2.0, 4.0, 6.0, -6.0]
+    codes = torch.arange(127, dtype=torch.uint8)
+    assert torch.equal(E4M3_MAGNITUDES.float(), codes.view(torch.float8_e4m3fn).float())  # torch agrees
+    assert round_to_grid(torch.tensor([1000.0, 1.0 + 1 / 16, 1.0 + 3 / 16]), E4M3_MAGNITUDES).tolist() == [
+        448.0, 1.0, 1.25]
+
+
 def dequantized_weights(experts, formats):
-    """{(name, e): w_NK as expert e's format stores it}, dequantized once for the naive loop."""
+    """{(name, e): w_NK as expert e's format stores it}, quantized by the spec reference above."""
     names = ("w1", "w2") if isinstance(experts, FFNExperts) else ("w_gate", "w_up", "w_down")
     out = {}
     for name in names:
         for e, w_IO in enumerate(getattr(experts, name).detach()):
-            fmt = get_format(formats[e])
-            out[name, e] = fmt.dequantize(fmt.quantize(w_IO.t()), w_IO.size(0))
+            out[name, e] = spec_quantized(formats[e], w_IO.t())
     return out
 
 
 def naive_quantized_expert(x_D, experts, formats, weights, e):
-    """One token through expert e with e's format, written from the format semantics alone."""
+    """One token through expert e with e's format, written from the format semantics alone (float64)."""
     name = formats[e]
 
     def linear(x, weight):
-        x = x.unsqueeze(0)
-        if name in ("fp8", "fp8_block"):  # activations quantized per token / per 1x128 group
-            group = x.size(1) if name == "fp8" else 128
-            x = dequantize_fp8_groups(*quantize_fp8_groups(x, group), group)
-        return (x @ weights[weight, e].t()).squeeze(0)
+        return (spec_activations(name, x.unsqueeze(0)) @ weights[weight, e].t()).squeeze(0)
 
     if isinstance(experts, FFNExperts):
-        h = experts.act(linear(x_D, "w1") + experts.b1[e])
-        return linear(h, "w2") + experts.b2[e]
+        h = experts.act(linear(x_D, "w1") + experts.b1[e].double())
+        return linear(h, "w2") + experts.b2[e].double()
     return linear(experts.act(linear(x_D, "w_gate")) * linear(x_D, "w_up"), "w_down")
 
 
@@ -73,13 +149,14 @@ def test_mixed_format_layer_matches_a_naive_token_loop(expert, capacity_factor):
     layer.experts = QuantizedExperts.from_experts(float_experts, MIXED)
     y = layer(x).reshape(-1, 96)
     assert layer.stats.dropped_fraction == 0.0
-    routed = layer.gate(x.reshape(-1, 96), 2)
+    assert (layer.stats.tokens_per_expert > 0).all()  # every format's expert is exercised
+    _, idx_TK, weight_TK, _ = reference_gates.route_like(layer.gate, x.reshape(-1, 96), 2)
     for t, x_D in enumerate(x.reshape(-1, 96)):
         expected = sum(
             weight * naive_quantized_expert(x_D, float_experts, MIXED, weights, e)
-            for e, weight in zip(routed.topk_idx_TK[t].tolist(), routed.topk_weight_TK[t])
+            for e, weight in zip(idx_TK[t].tolist(), weight_TK[t].double())
         )
-        torch.testing.assert_close(y[t], expected, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(y[t].double(), expected, rtol=1e-5, atol=1e-5)
 
 
 # Layer output error against the bf16 layer, relative Frobenius norm (measured ~0.05, 0.06, 0.15-0.2).
