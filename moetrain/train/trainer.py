@@ -324,6 +324,17 @@ class Trainer:
     def fit(self) -> dict:
         """Train to trainer.max_steps; returns the final metrics (also written to metrics.json).
         Raises Terminated after saving a checkpoint when SIGTERM arrives before the last step."""
+        # While training, SIGTERM only sets a flag (handlers can be set in the main thread only).
+        previous_handler = None
+        if threading.current_thread() is threading.main_thread():
+            previous_handler = signal.signal(signal.SIGTERM, self._on_sigterm)
+        try:
+            return self._fit()
+        finally:
+            if previous_handler is not None:
+                signal.signal(signal.SIGTERM, previous_handler)
+
+    def _fit(self) -> dict:
         cfg = self.cfg
         if cfg.resume:
             self._resume()
@@ -336,10 +347,6 @@ class Trainer:
                 log.info("the run is already complete at step %d (trainer.max_steps=%d): nothing to train, "
                          "metrics.json kept; raise trainer.max_steps to train on", self.step, cfg.max_steps)
                 return self._finished_metrics()
-        # SIGTERM only sets a flag while this loop runs (handlers can be set in the main thread only).
-        previous_handler = None
-        if threading.current_thread() is threading.main_thread():
-            previous_handler = signal.signal(signal.SIGTERM, self._on_sigterm)
         board = TensorBoard(self.run_dir) if self.logger_cfg.tensorboard and self.strategy.is_main else None
         bar = tqdm(
             total=cfg.max_steps,
@@ -355,8 +362,6 @@ class Trainer:
             bar.close()
             if board is not None:
                 board.close()
-            if previous_handler is not None:
-                signal.signal(signal.SIGTERM, previous_handler)
         metrics = {**self.metrics, "step": self.step, "skipped_steps": self.skipped_steps}
         if self.strategy.is_main:
             (self.run_dir / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
