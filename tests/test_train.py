@@ -156,6 +156,9 @@ def test_checkpoints_are_written_whole_and_pruned(tmp_path):
     assert checkpoint.candidates(str(files[0]), tmp_path) == [files[0]]
     assert checkpoint.load(files[-1])["step"] == 3
     assert checkpoint.candidates("auto", tmp_path / "new_run") == []
+    assert checkpoint.find("auto", tmp_path) == files[-1] and checkpoint.find("auto", tmp_path / "new_run") is None
+    checkpoint.checksum_path(files[-1]).unlink()  # step 3 no longer counts as complete
+    assert checkpoint.find(str(tmp_path), tmp_path / "elsewhere") == files[0]
     with pytest.raises(ConfigError, match="trainer.resume"):
         checkpoint.candidates(str(tmp_path / "missing"), tmp_path)
 

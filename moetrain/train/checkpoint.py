@@ -207,6 +207,14 @@ def candidates(resume: str, run_dir: Path) -> list[Path]:
     return found[::-1]
 
 
+def find(resume: str, run_dir: Path) -> Path | None:
+    """The newest complete checkpoint trainer.resume names (None for "auto" in a run without any;
+    the only candidate when none is complete). Loading it checks its bytes; the trainer also falls
+    back to older checkpoints when they are damaged."""
+    found = candidates(resume, run_dir)
+    return next((path for path in found if is_complete(path)), found[0] if found else None)
+
+
 # ---- reading ------------------------------------------------------------------------------------
 def sha256_of(path: Path) -> str:
     digest = hashlib.sha256()
