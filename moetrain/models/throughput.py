@@ -20,6 +20,8 @@ import time
 import torch
 import torch.nn.functional as F
 
+from moetrain.bench import _time_steps
+from moetrain.models.anatomy import anatomy_table, step_anatomy
 from moetrain.models.lm import MoETransformerLM, flops_per_token, parameter_counts
 from moetrain.models.presets import PRESETS, build_lm
 from moetrain.moe import moe_layers, update_router_biases
@@ -110,6 +112,9 @@ def main(argv=None) -> dict:
                         help="weights and activations; routers stay float32")
     parser.add_argument("--impl", default="kernel", choices=["kernel", "torch"], help="MoE dispatch path")
     parser.add_argument("--compile", action="store_true", help="torch.compile each transformer block")
+    parser.add_argument("--anatomy", action="store_true",
+                        help="also time each part of the step alone and print where the step's time goes "
+                             "(moetrain.models.anatomy)")
     args = parser.parse_args(argv)
 
     moe_kwargs = {**PRESETS[args.preset].moe_kwargs, "impl": args.impl}
@@ -127,7 +132,15 @@ def main(argv=None) -> dict:
     if result["device"].startswith("cuda"):
         result["device_name"] = torch.cuda.get_device_name()
         result["max_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
+    if args.anatomy:
+        device = torch.device(args.device)
+        tokens_BT = torch.randint(0, model.config.vocab_size, (args.batch_size, args.seq_len + 1), device=device)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
+        result["anatomy"] = step_anatomy(model, tokens_BT, optimizer, result["step_ms"],
+                                         lambda step: _time_steps(step, device, warmup=2, steps=5))
     print(json.dumps(result))
+    if args.anatomy:
+        print(anatomy_table(result["anatomy"], result["step_ms"]))
     return result
 
 
