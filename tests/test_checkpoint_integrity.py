@@ -240,3 +240,19 @@ def test_conversion_refuses_or_skips_incomplete_steps(two_ranks, tmp_path, capsy
     (converted,) = shards.load_shards(str(tmp_path / "one"))  # written with its own SHA256SUMS
     expected = shards.consolidate(shards.load_shards(str(out / "reference" / "checkpoints" / "step_00000004")))
     assert_same_weights(converted["model"], expected["model"])
+
+
+def test_pruning_keeps_the_newest_complete_checkpoints_and_clears_leftovers(tmp_path):
+    folder = tmp_path / "checkpoints"
+    for step in (1, 2, 3):
+        checkpoint.save({"step": step}, tmp_path, step, keep=0)
+    (folder / "step_00000004.pt").write_bytes(b"renamed, checksum never written")
+    (folder / "step_00000005.pt.tmp").write_bytes(b"half")
+    (folder / "step_00000006").mkdir()
+    (folder / "step_00000006" / "rank00000-of-00002.pt.tmp").write_bytes(b"half")
+    (folder / "step_00000007.pt.sha256").write_text("0" * 64 + "  step_00000007.pt\n")  # its file is gone
+    checkpoint.prune(folder, keep=2)
+    assert sorted(p.name for p in folder.iterdir()) == [
+        "step_00000002.pt", "step_00000002.pt.sha256", "step_00000003.pt", "step_00000003.pt.sha256"]
+    checkpoint.prune(folder, keep=0)  # 0 keeps every complete checkpoint
+    assert len(list(folder.iterdir())) == 4
