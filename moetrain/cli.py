@@ -25,6 +25,7 @@ import os
 import re
 import signal
 import sys
+import threading
 import types
 import typing
 from importlib import resources
@@ -49,6 +50,7 @@ from omegaconf.errors import (
     OmegaConfBaseException,
     ValidationError,
 )
+from tqdm import tqdm
 
 import moetrain
 from moetrain.config import Config, ConfigError, GateType, Mode, did_you_mean, moe_kwargs, validate
@@ -466,10 +468,11 @@ class RunDirectoryLock(Callback):
 # ---- several processes --------------------------------------------------------------------------
 def _worker_logging(run_dir: Path, is_main: bool) -> None:
     """Spawned workers start without Hydra's logging: rank 0 logs like a one-process run (console
-    and the run's moetrain.log), the other ranks print warnings only."""
+    on stdout, as Hydra's, and the run's moetrain.log), the other ranks print warnings only. stderr
+    keeps the launcher's one-line errors."""
     root = logging.getLogger()
     root.handlers.clear()
-    handlers = [logging.StreamHandler()] + ([logging.FileHandler(run_dir / "moetrain.log")] if is_main else [])
+    handlers = [logging.StreamHandler(sys.stdout)] + ([logging.FileHandler(run_dir / "moetrain.log")] if is_main else [])
     for handler in handlers:
         handler.setFormatter(logging.Formatter("[%(asctime)s][%(name)s][%(levelname)s] - %(message)s"))
         root.addHandler(handler)
@@ -478,6 +481,10 @@ def _worker_logging(run_dir: Path, is_main: bool) -> None:
 
 def _spawned_worker(rank: int, world_size: int, cfg: DictConfig, run_dir: Path) -> None:
     """One of parallel.nproc_per_node workers: its errors go to the launcher, which reports them."""
+    # tqdm's default lock is a multiprocessing semaphore even for a hidden bar: a worker killed by a
+    # signal leaves it behind, and the launcher's resource tracker warns about it on stderr at exit.
+    # One bar per process needs a thread lock only.
+    tqdm.set_lock(threading.RLock())
     _worker_logging(run_dir, rank == 0)
     train(cfg, run_dir, distributed=True)
 
