@@ -180,7 +180,8 @@ def peer_worker(rank: int, world: int, out_dir: str) -> None:
 
 BACKENDS = [
     "gloo",
-    pytest.param("nccl", marks=pytest.mark.skipif(torch.cuda.device_count() < WORLD, reason="needs 2 CUDA GPUs")),
+    pytest.param("nccl", marks=[pytest.mark.multigpu,
+                                pytest.mark.skipif(torch.cuda.device_count() < WORLD, reason="needs 2 CUDA GPUs")]),
 ]
 
 
@@ -238,10 +239,12 @@ def peer_results(tmp_path_factory):
     return [torch.load(os.path.join(out_dir, f"results{rank}.pt")) for rank in range(WORLD)]
 
 
+@pytest.mark.multigpu
 def test_nccl_peer_memory_exchange_moves_what_all_to_all_moves(peer_results):
     assert [rank_results["peer exchange vs all_to_all"] for rank_results in peer_results] == [0.0, 0.0]
 
 
+@pytest.mark.multigpu
 @pytest.mark.parametrize("degree", DEGREES)
 def test_nccl_peer_memory_layer_matches_one_process(peer_results, degree):
     for rank_results in peer_results:
