@@ -1,15 +1,71 @@
 """Shared fixtures: small CIFAR-10 and MNIST folders in torchvision's real on-disk formats, and
-in-process Hydra composition of moetrain's configs."""
+in-process Hydra composition of moetrain's configs. Also the GPU markers' rules (docs/testing.md):
+a test marked `cuda` (one GPU) or `multigpu` (two or more) is skipped on a machine without them,
+a test that skips for want of a GPU without carrying one of those markers fails (so every GPU
+test is selected by `python -m pytest -m "cuda or multigpu"`), and the run ends with a count of
+the GPU tests per marker."""
 
 from __future__ import annotations
 
 import gzip
 import pickle
+import re
 import struct
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
+
+GPU_MARKERS = {"cuda": 1, "multigpu": 2}  # marker -> CUDA GPUs it needs
+GPU_COMMAND = 'python -m pytest -m "cuda or multigpu"'
+# A skip reason that says the test needs a GPU (or two): such a test must carry a GPU marker.
+_NEEDS_GPU = re.compile(r"\bneeds?\b.*\b(GPUs?|CUDA)\b", re.IGNORECASE)
+
+
+def _gpu_markers(item) -> list[str]:
+    return [name for name in GPU_MARKERS if item.get_closest_marker(name) is not None]
+
+
+def pytest_collection_modifyitems(config, items):
+    available = torch.cuda.device_count()
+    for item in items:
+        for name in _gpu_markers(item):
+            if available < GPU_MARKERS[name]:
+                needs = "a CUDA GPU" if GPU_MARKERS[name] == 1 else f"{GPU_MARKERS[name]} CUDA GPUs"
+                item.add_marker(pytest.mark.skip(reason=f"needs {needs} (marker {name}; {available} visible)"))
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    report.gpu_markers = _gpu_markers(item)
+    if report.skipped and not report.gpu_markers and isinstance(report.longrepr, tuple):
+        reason = str(report.longrepr[2])
+        if _NEEDS_GPU.search(reason):
+            report.outcome = "failed"
+            report.longrepr = (f"{item.nodeid} skips for want of a GPU ({reason}) but carries no GPU marker: mark it "
+                               f"@pytest.mark.cuda or @pytest.mark.multigpu so that `{GPU_COMMAND}` runs it")
+
+
+def pytest_terminal_summary(terminalreporter):
+    counts: dict[str, Counter] = {name: Counter() for name in GPU_MARKERS}
+    for outcome in ("passed", "failed", "skipped", "error"):
+        for report in terminalreporter.stats.get(outcome, []):
+            if getattr(report, "when", "call") == "teardown" and outcome == "passed":
+                continue
+            for name in getattr(report, "gpu_markers", []):
+                counts[name][outcome] += 1
+    if not any(counts.values()):
+        return
+    terminalreporter.section("GPU tests by marker")
+    for name, count in counts.items():
+        shown = ", ".join(f"{n} {outcome}" for outcome, n in count.items() if n) or "none selected"
+        terminalreporter.write_line(f"{name}: {shown}")
+    if any(count["skipped"] for count in counts.values()):
+        terminalreporter.write_line(f"run them on a GPU machine with: {GPU_COMMAND} (docs/testing.md)")
 
 # Tiny model and run settings that keep any image recipe to a second or two on a CPU.
 TINY_RUN = [

@@ -8,7 +8,7 @@ import torch
 from moetrain import MoELayer, ops
 from moetrain.ops import reference
 
-DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
 GRAD_TOL = {torch.float32: 1e-5, torch.float64: 1e-12, torch.float16: 1e-2, torch.bfloat16: 2e-2}
 
@@ -146,7 +146,7 @@ def test_bias_act_backward_matches_reference(device, dtype, shape, relu, bias_gr
 CUDA_BWD_SHAPES = [(8, 2048, 512), (1, 8192, 64), (3, 5000, 40), (2, 333, 14336), (64, 96, 1408), (16, 40, 2048)]
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.cuda
 @pytest.mark.parametrize("dtype", BWD_DTYPES, ids=BWD_DTYPE_IDS.get)
 @pytest.mark.parametrize("shape", CUDA_BWD_SHAPES, ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("relu", [True, False], ids=["relu", "identity"])

@@ -87,7 +87,7 @@ def test_fake_kernels_give_the_real_shapes_and_dtypes():
             assert [(o.shape, o.dtype) for o in outputs] == [(e.shape, e.dtype) for e in expected], name
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.cuda
 @pytest.mark.parametrize("capacity_factor,expert", [(1.0, "ffn"), (0.0, "swiglu")])
 def test_compiled_layer_matches_eager_on_cuda(capacity_factor, expert):
     """The CUDA path traced: the fp32 router kernel on bf16 activations, the fused epilogue and its

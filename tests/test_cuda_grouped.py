@@ -11,7 +11,7 @@ import torch
 
 from moetrain.ops import grouped
 
-DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
 
 
 def reference_matmul(x_RI, w_EIO, counts, capacity):

@@ -12,8 +12,7 @@ from moetrain import ops
 from moetrain.ops import reference
 
 pytestmark = [
-    pytest.mark.cuda,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+    pytest.mark.cuda,  # skipped without a GPU (tests/conftest.py)
 ]
 
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]

@@ -13,8 +13,7 @@ from moetrain.quant.formats import quantize_fp8_groups
 from moetrain.quant.matmul import ExpertInput, cuda_path, emulated_matmul
 
 pytestmark = [
-    pytest.mark.cuda,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+    pytest.mark.cuda,  # skipped without a GPU (tests/conftest.py)
     pytest.mark.skipif(not kernels.available(), reason="needs Triton"),
 ]
 

@@ -365,7 +365,7 @@ def rowwise_scaled_mm_runs(device: str) -> bool:
     return True
 
 
-@pytest.mark.parametrize("device", ["cpu", "cuda"])
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
 @pytest.mark.parametrize("segments", [[(0, 0, 17), (2, 20, 5)], [(0, 0, 16), (1, 16, 32)]])
 def test_fp8_gemm_rows_are_realigned_to_16(segments, device):
     """The per-expert FP8 path (torch._scaled_mm, the fallback without Triton) on ragged experts."""

@@ -8,7 +8,7 @@ import torch
 from moetrain import MoELayer, ops
 from moetrain.ops import reference
 
-cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+cuda = pytest.mark.cuda  # skipped without a GPU (tests/conftest.py)
 
 
 def kernel_logits(x, w):
