@@ -12,8 +12,6 @@ import pickle
 import struct
 
 import numpy as np
-from torchvision import datasets, transforms
-from torchvision.datasets.utils import check_integrity
 
 from moetrain.config import ConfigError
 from moetrain.data.base import DataModule, SeededTransform
@@ -22,13 +20,24 @@ CIFAR10_MEAN, CIFAR10_STD = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)
 MNIST_MEAN, MNIST_STD = (0.1307,), (0.3081,)
 
 
-class _UnverifiedCIFAR10(datasets.CIFAR10):
-    """torchvision's CIFAR10 with its MD5s removed: it then checks only that each file exists."""
+def _torchvision():
+    """torchvision's datasets and transforms, imported when an image data set is built: importing
+    it takes seconds, which every other command (--help, a language model, a config error) is spared."""
+    from torchvision import datasets, transforms
 
-    tgz_md5 = None
-    train_list = [[name, None] for name, _ in datasets.CIFAR10.train_list]
-    test_list = [[name, None] for name, _ in datasets.CIFAR10.test_list]
-    meta = {**datasets.CIFAR10.meta, "md5": None}
+    return datasets, transforms
+
+
+def _unverified_cifar10(datasets):
+    class UnverifiedCIFAR10(datasets.CIFAR10):
+        """torchvision's CIFAR10 with its MD5s removed: it then checks only that each file exists."""
+
+        tgz_md5 = None
+        train_list = [[name, None] for name, _ in datasets.CIFAR10.train_list]
+        test_list = [[name, None] for name, _ in datasets.CIFAR10.test_list]
+        meta = {**datasets.CIFAR10.meta, "md5": None}
+
+    return UnverifiedCIFAR10
 
 
 def _root(root: str) -> str:
@@ -97,7 +106,8 @@ def cifar10(
     flip) when `augment`, seeded per image by `seed` and the epoch.
     """
     root = _root(root)
-    dataset_class = datasets.CIFAR10 if verify_checksums else _UnverifiedCIFAR10
+    datasets, transforms = _torchvision()
+    dataset_class = datasets.CIFAR10 if verify_checksums else _unverified_cifar10(datasets)
     try:
         train = dataset_class(root, train=True, download=download)
         test = dataset_class(root, train=False, download=False)
@@ -134,7 +144,10 @@ def cifar10(
 
 def _verify_mnist(raw_folder: str) -> None:
     """torchvision checks MNIST's MD5s only while downloading; check the archives it kept."""
-    for filename, md5 in datasets.MNIST.resources:
+    from torchvision.datasets import MNIST
+    from torchvision.datasets.utils import check_integrity
+
+    for filename, md5 in MNIST.resources:
         path = os.path.join(raw_folder, filename)
         if not check_integrity(path, md5):
             problem = "is missing" if not os.path.exists(path) else "fails its MD5 check"
@@ -205,6 +218,7 @@ def mnist(
 ) -> DataModule:
     """MNIST (root/MNIST/raw, idx files): 60k training and 10k test digits, 28x28 grey, 10 classes."""
     root = _root(root)
+    datasets, transforms = _torchvision()
     normalize = transforms.Compose([transforms.ToTensor(), transforms.Normalize(MNIST_MEAN, MNIST_STD)])
     _check_mnist_files(os.path.join(root, "MNIST", "raw"))
     try:
