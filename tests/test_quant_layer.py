@@ -159,6 +159,30 @@ def test_mixed_format_layer_matches_a_naive_token_loop(expert, capacity_factor):
         torch.testing.assert_close(y[t].double(), expected, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("name", ["fp8", "fp8_block", "mxfp4", "nvfp4"])
+@torch.no_grad()
+def test_one_format_layer_matches_the_spec_reference_over_many_blocks(name):
+    """Dimensions past one scaling block in both directions (2x2 FP8 blocks of 128, 5 MXFP4 blocks
+    of 32, 10 NVFP4 blocks of 16 along K = 160), weights of widely different magnitudes per row."""
+    torch.manual_seed(5)
+    layer = MoELayer(model_dim=160, num_experts=3, hidden_size=144, top_k=2, capacity_factor=0.0, impl="torch")
+    with torch.no_grad():
+        layer.experts.w1.mul_(torch.logspace(-2, 2, 144).view(1, 1, 144))  # rows of w_NK (N = H) differ
+        layer.experts.b1.normal_()
+        layer.experts.b2.normal_()
+    formats = [name] * 3
+    weights = dequantized_weights(layer.experts, formats)
+    float_experts = layer.experts
+    layer.experts = QuantizedExperts.from_experts(float_experts, formats)
+    x = torch.randn(12, 160)
+    y = layer(x)
+    _, idx_TK, weight_TK, _ = reference_gates.route_like(layer.gate, x, 2)
+    for t in range(12):
+        expected = sum(weight * naive_quantized_expert(x[t], float_experts, formats, weights, e)
+                       for e, weight in zip(idx_TK[t].tolist(), weight_TK[t].double()))
+        torch.testing.assert_close(y[t].double(), expected, rtol=1e-5, atol=1e-4)
+
+
 # Layer output error against the bf16 layer, relative Frobenius norm (measured ~0.05, 0.06, 0.15-0.2).
 LAYER_BOUNDS = {"fp8": 0.08, "fp8_block": 0.08, "mxfp4": 0.25, "nvfp4": 0.23}
 
