@@ -73,7 +73,8 @@ def test_a_damaged_latest_checkpoint_is_skipped_for_the_previous_one(damage, uni
     skipped = [r for r in caplog.records if "skipping" in r.getMessage()]
     assert len(skipped) == 1 and skipped[0].levelno == logging.WARNING
     assert "step_00000006.pt" in skipped[0].getMessage()
-    assert ("not a sha256sum listing" if damage == "checksum file garbled" else "is corrupted") in skipped[0].getMessage()
+    expected = "not a sha256sum listing" if damage == "checksum file garbled" else "is corrupted"
+    assert expected in skipped[0].getMessage()
     assert any(f"resumed from {tmp_path / 'checkpoints' / 'step_00000004.pt'} at step 4" == r.getMessage()
                for r in caplog.records)
     assert_same_weights(resumed.model.state_dict(), uninterrupted)
@@ -100,7 +101,8 @@ def test_no_intact_checkpoint_is_one_line_and_exit_2(tmp_path, monkeypatch, caps
     (tmp_path / "run" / "metrics.json").unlink()
     line = expect_exit_2([*TINY, "hydra.run.dir=run", "trainer.resume=auto", "trainer.max_steps=5"], monkeypatch,
                          capsys, tmp_path)
-    assert "no intact checkpoint in" in line and "step_00000003.pt, step_00000002.pt are incomplete or corrupted" in line
+    assert "no intact checkpoint in" in line
+    assert "step_00000003.pt, step_00000002.pt are incomplete or corrupted" in line
 
 
 def test_a_file_without_checksum_is_refused_with_the_fix(tmp_path, monkeypatch, capsys):
@@ -226,7 +228,8 @@ def test_conversion_refuses_or_skips_incomplete_steps(two_ranks, tmp_path, capsy
     out, _ = two_ranks
     _break_into(out / "reference", tmp_path / "run", {6: "tmp only"})
     with pytest.raises(SystemExit) as exit_info:
-        shards.main([str(tmp_path / "run" / "checkpoints" / "step_00000006"), str(tmp_path / "one"), "--world-size", "1"])
+        shards.main([str(tmp_path / "run" / "checkpoints" / "step_00000006"), str(tmp_path / "one"),
+                     "--world-size", "1"])
     assert exit_info.value.code == 2
     error = capsys.readouterr().err
     assert error.count("\n") == 1 and "is incomplete" in error and "rank00000-of-00002.pt.tmp" in error

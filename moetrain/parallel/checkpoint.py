@@ -205,18 +205,17 @@ def load_shards(directory: str) -> list[dict]:
     """Every rank's file of a complete checkpoint, each checked against its sha256."""
     if not os.path.isdir(directory):
         raise FileNotFoundError(f"{directory} is not a directory of per-rank checkpoint files")
-    names = sorted(name for name in os.listdir(directory) if _SHARD_PATTERN.fullmatch(name))
-    if not names and not os.path.isfile(os.path.join(directory, MANIFEST)):
-        held = ", ".join(sorted(os.listdir(directory))) or "nothing"
-        if not any(name.endswith(".tmp") for name in os.listdir(directory)):
-            raise FileNotFoundError(
-                f"no per-rank checkpoint files ({SHARD_NAME.format(rank=0, world=1)}, ...) in {directory} (it holds {held})")
-    checkpoint.check_complete(Path(directory))
+    held = sorted(os.listdir(directory))
+    if MANIFEST not in held and not any(_SHARD_PATTERN.fullmatch(name.removesuffix(".tmp")) for name in held):
+        raise FileNotFoundError(f"no per-rank checkpoint files ({SHARD_NAME.format(rank=0, world=1)}, ...) "
+                                f"in {directory} (it holds {', '.join(held) or 'nothing'})")
+    checkpoint.check_complete(Path(directory))  # no SHA256SUMS: its save never finished
     listed = sorted(checkpoint.read_checksums(Path(directory, MANIFEST)))
-    world = int(_SHARD_PATTERN.fullmatch(listed[0]).group(2)) if listed and _SHARD_PATTERN.fullmatch(listed[0]) else 0
-    expected = [SHARD_NAME.format(rank=rank, world=world) for rank in range(world)]
-    if not world or listed != expected:
-        raise CheckpointError(f"{directory}/{MANIFEST} should list exactly {expected or 'the rank files'}, "
+    first = _SHARD_PATTERN.fullmatch(listed[0]) if listed else None
+    expected = [SHARD_NAME.format(rank=rank, world=int(first.group(2))) for rank in range(int(first.group(2)))] \
+        if first else []
+    if not expected or listed != expected:
+        raise CheckpointError(f"{directory}/{MANIFEST} should list the files of ranks 0 to N-1 of N, "
                               f"it lists {listed}: the checkpoint is damaged")
     return [checkpoint.load(Path(directory, name)) for name in expected]
 
@@ -227,7 +226,8 @@ def newest_complete(source: str) -> tuple[str, list[str]]:
     if any(_SHARD_PATTERN.fullmatch(name.removesuffix(".tmp")) for name in os.listdir(source)) or \
             os.path.isfile(os.path.join(source, MANIFEST)):
         return source, []
-    folder = Path(source, checkpoint.CHECKPOINT_DIR) if Path(source, checkpoint.CHECKPOINT_DIR).is_dir() else Path(source)
+    folder = Path(source, checkpoint.CHECKPOINT_DIR)
+    folder = folder if folder.is_dir() else Path(source)
     skipped = []
     for entry in reversed([entry for entry in checkpoint.checkpoints(folder) if entry.is_dir()]):
         if checkpoint.is_complete(entry):

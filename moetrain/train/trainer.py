@@ -145,7 +145,8 @@ class Trainer:
         """Everything the config does not set. The optimizer's hyperparameters (lr, weight decay,
         betas, ...) stay those of this run's config: only its moments come from the checkpoint."""
         self.model.load_state_dict(state["model"])
-        settings = [{key: value for key, value in group.items() if key != "params"} for group in self.optimizer.param_groups]
+        settings = [{key: value for key, value in group.items() if key != "params"}
+                    for group in self.optimizer.param_groups]
         self.optimizer.load_state_dict(state["optimizer"])
         for group, own in zip(self.optimizer.param_groups, settings):
             group.update(own)
