@@ -45,8 +45,11 @@ def test_failed_training_exits_1(tmp_path):
 def test_sigint_exits_130_with_the_resume_command(tmp_path):
     (tmp_path / "work").mkdir()
     with open(tmp_path / "out.txt", "w") as out, open(tmp_path / "err.txt", "w") as err:
+        # A shell without job control starts background commands with SIGINT ignored, and children
+        # inherit that: give the command Ctrl-C's default disposition, as a terminal would.
         process = subprocess.Popen([MOETRAIN, *QUIET, "trainer.max_steps=100000", "trainer.eval_every=0"],
-                                   cwd=tmp_path / "work", stdout=out, stderr=err)
+                                   cwd=tmp_path / "work", stdout=out, stderr=err,
+                                   preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
         try:
             # Wait until the run logs that its model is built (training starts next), then a little more.
             deadline = time.monotonic() + 240
