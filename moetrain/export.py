@@ -1,0 +1,78 @@
+"""A language-model run exported as a Hugging Face checkpoint directory (config.json + safetensors).
+
+    from moetrain import load_run
+    from moetrain.export import export_hf
+    run = load_run("runs/..._qwen3_moe_lm")
+    model_type = export_hf(run, "exported/")          # "qwen3_moe": the architecture the model matches
+    model = moetrain.models.load_hf_checkpoint("exported/")   # same logits as run.model
+
+The architecture is the first of qwen3_moe, deepseek_v3 and mixtral whose layout the model has
+(moetrain.models.hf.hf_config decides: attention kind, q/k norms, gate kind, shared and dense
+blocks, SwiGLU experts); kimi_k2 (DeepSeek-V3's architecture under another name) only when asked
+for. The weights are written by moetrain.models.hf.save_hf_checkpoint in the model's dtype.
+
+Hugging Face's implementations of these architectures route every token to its experts. A run
+trained with an expert capacity (gate.capacity_factor > 0) drops the tokens over it, so the export
+would compute other logits wherever a token is dropped: that is refused unless the caller accepts
+dropless routing (allow_dropless=True).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from torch import nn
+
+from moetrain.models.hf import CheckpointError, hf_config, save_hf_checkpoint
+from moetrain.models.lm import MoETransformerLM
+from moetrain.run import Run, RunError
+
+ARCHITECTURES = ("qwen3_moe", "deepseek_v3", "mixtral")
+EXPORTABLE = ARCHITECTURES + ("kimi_k2",)
+
+
+class ExportError(RunError):
+    """A run that cannot be written in the asked (or any) Hugging Face architecture: one line why."""
+
+
+def matching_architecture(model: nn.Module) -> str:
+    """The first of ARCHITECTURES the model's layout fits; ExportError with every reason otherwise."""
+    if not isinstance(model, MoETransformerLM):
+        raise ExportError(f"{type(model).__name__} is not a language model (MoETransformerLM): only LM runs export "
+                          "to Hugging Face checkpoints")
+    reasons = []
+    for model_type in ARCHITECTURES:
+        try:
+            hf_config(model.config, model_type)
+            return model_type
+        except CheckpointError as error:
+            reasons.append(str(error))
+    raise ExportError("the model fits no Hugging Face architecture moetrain writes: " + "; ".join(reasons))
+
+
+def export_hf(run: Run | nn.Module, directory: str | Path, model_type: str | None = None,
+              allow_dropless: bool = False) -> str:
+    """Write `run`'s model (a Run or an MoETransformerLM) to `directory` as a Hugging Face
+    checkpoint of `model_type` (None: the matching architecture); returns the model_type written."""
+    model = run.model if isinstance(run, Run) else run
+    if model_type is None:
+        model_type = matching_architecture(model)
+    elif model_type not in EXPORTABLE:
+        raise ExportError(f"model_type must be one of {'|'.join(EXPORTABLE)}, got {model_type!r}")
+    if not isinstance(model, MoETransformerLM):
+        raise ExportError(f"{type(model).__name__} is not a language model (MoETransformerLM): only LM runs export "
+                          "to Hugging Face checkpoints")
+    capacity_factor = model.config.moe_kwargs.get("capacity_factor", 1.0)
+    if capacity_factor > 0 and not allow_dropless:
+        raise ExportError(
+            f"the run routes with gate.capacity_factor={capacity_factor:g} (tokens over an expert's capacity are "
+            f"dropped) but Hugging Face's {model_type} routes every token, so its logits would differ where tokens "
+            "are dropped: train with gate.capacity_factor=0, or accept dropless routing (allow_dropless=True)")
+    directory = Path(directory)
+    if directory.is_file() or (directory.is_dir() and any(directory.iterdir())):
+        raise ExportError(f"{directory} exists and is not an empty folder: export into a new or empty folder")
+    try:
+        save_hf_checkpoint(model, directory, model_type)
+    except CheckpointError as error:
+        raise ExportError(str(error)) from None
+    return model_type

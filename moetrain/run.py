@@ -1,0 +1,228 @@
+"""A trained run back in Python: `load_run(run_dir)` rebuilds the model as the `moetrain` command
+trained it and loads its latest (or a chosen) intact checkpoint.
+
+    from moetrain import load_run
+    run = load_run("runs/2026-12-01_10-00-00_qwen3_moe_lm")          # newest intact checkpoint
+    run = load_run("runs/...", step=200)                              # that step's checkpoint
+    logits = run.model(tokens_BT)
+
+Where everything comes from:
+- the config is the one saved inside the checkpoint (`state["config"]`, the composed config with
+  interpolations resolved, as plain dicts): the exact settings that produced those weights, even
+  when the run directory was later resumed with other settings (which rewrites .hydra/config.yaml);
+- the data module is rebuilt from that config (`data._target_`), because the data fixes the
+  model's input and output sizes (vocabulary, sequence length, image size, classes) unless the
+  model config sets them, as the command does;
+- the model is built from `model._target_` with every MoE layer getting the run's gate settings
+  (moetrain.config.moe_kwargs), then the weights are loaded;
+- the checkpoint is read by moetrain.train.checkpoint (one-process runs: step_N.pt checked against
+  its .sha256) or moetrain.parallel.checkpoint (multi-process runs: step_N/ with one file per rank
+  checked against SHA256SUMS, gathered into one model with every expert).
+
+With `step=None` a newer checkpoint that is incomplete or fails its checksum is skipped (with a
+warning naming it) for the newest intact one; a chosen step is loaded as it is or not at all.
+Every problem with the run directory is a `RunError` (a ValueError) of one line.
+"""
+
+from __future__ import annotations
+
+import logging
+import pydoc
+import random
+import re
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+from moetrain.config import ConfigError, GateConfig, GateType, Impl, moe_kwargs
+from moetrain.data.base import DataModule
+from moetrain.data.text import SUFFIXES, ByteTokenizer
+from moetrain.train import checkpoint
+
+log = logging.getLogger(__name__)
+
+_STEP = re.compile(r"^step_(\d+)(\.pt)?$")
+# The data builder whose text files are read with the byte-level tokenizer (moetrain/data/text.py).
+TEXT_DATA_TARGETS = ("moetrain.data.text.text", "moetrain.data.text")
+
+
+class RunError(ConfigError):
+    """A run directory that cannot be loaded: missing, without checkpoints, no such step, a config
+    that does not build, or weights that do not fit the model. One line saying what and how to fix."""
+
+
+@dataclass
+class Run:
+    """A loaded run: its model (eval mode) with the checkpoint's weights, and what it was built from."""
+
+    run_dir: Path
+    checkpoint: Path  # the step_N.pt file or the step_N/ directory of one file per rank
+    step: int
+    config: dict  # the composed config of the run that wrote the checkpoint (plain dicts and lists)
+    model: nn.Module
+    data: DataModule  # the run's own data module, rebuilt from config["data"]
+    model_inputs: dict  # the model arguments the data gave (vocab_size, max_seq_len, image_size, ...)
+
+    @property
+    def task(self) -> str:
+        return self.data.task
+
+    @property
+    def tokenizer(self) -> ByteTokenizer | None:
+        """The byte-level tokenizer when the run trained on text read by it; None for token ids
+        (token files, the synthetic language) and for image runs."""
+        return ByteTokenizer() if is_byte_level(self.config.get("data", {})) else None
+
+
+def is_byte_level(data_config: dict) -> bool:
+    """Whether a data config reads text through the byte-level tokenizer (data=text on .txt/.jsonl)."""
+    if data_config.get("_target_") not in TEXT_DATA_TARGETS or not data_config.get("path"):
+        return False
+    path = Path(data_config["path"]).expanduser()
+    files = [path] if path.is_file() else sorted(p for p in path.glob("*") if p.suffix in SUFFIXES)
+    return bool(files) and files[0].suffix in (".txt", ".jsonl")
+
+
+def locate(path: str, key: str):
+    """The object a dotted path names (what Hydra's `_target_` means), or a RunError naming `key`."""
+    found = pydoc.locate(path) if isinstance(path, str) else None
+    if found is None:
+        raise RunError(f"{key}={path!r} cannot be imported: install the package that provides it, "
+                       "or put its folder on PYTHONPATH")
+    return found
+
+
+@contextmanager
+def _global_rng_kept():
+    """Building data and model draws from the global generators: leave the caller's state as it was."""
+    state = checkpoint.rng_state()
+    try:
+        yield
+    finally:
+        checkpoint.set_rng_state(state)
+
+
+def build_data(data_config: dict, seed: int = 0) -> DataModule:
+    """The data module a data config describes (`_target_` plus its keyword arguments), built after
+    seeding as the command does; errors of the data builder become a RunError of one line."""
+    if not isinstance(data_config, dict) or "_target_" not in data_config:
+        raise RunError(f"the data config {data_config!r} has no _target_: give a dict such as "
+                       "{'_target_': 'moetrain.data.text.text', 'path': 'corpus/'}")
+    builder = locate(data_config["_target_"], "data._target_")
+    arguments = {key: value for key, value in data_config.items() if not (key.startswith("_") and key.endswith("_"))}
+    with _global_rng_kept():
+        random.seed(seed)
+        np.random.seed(seed)
+        torch.manual_seed(seed)
+        try:
+            data = builder(**arguments)
+        except (ValueError, OSError, TypeError) as error:  # ConfigError is a ValueError
+            raise RunError(f"data ({data_config['_target_']}): {_one_line(error)}") from None
+    if not isinstance(data, DataModule):
+        raise RunError(f"data._target_={data_config['_target_']} returned {type(data).__name__}, not a DataModule")
+    return data
+
+
+def build_model(config: dict, model_inputs: dict) -> nn.Module:
+    """The model a run's config describes: model._target_ with its keys, the data's inputs it does
+    not set itself, and every MoE layer's gate settings (the same construction as the command)."""
+    model_config = config.get("model") or {}
+    if "_target_" not in model_config:
+        raise RunError("the run's config has no model._target_: this is not a moetrain run's config")
+    gate = dict(config.get("gate") or {})
+    try:
+        gate_config = GateConfig(**{**gate, "type": GateType(gate.get("type", "top")),
+                                    "impl": Impl(gate.get("impl", "kernel"))})
+    except (TypeError, ValueError) as error:
+        raise RunError(f"the run's gate config does not fit this version of moetrain ({_one_line(error)})") from None
+    builder = locate(model_config["_target_"], "model._target_")
+    arguments = {key: value for key, value in model_config.items() if not (key.startswith("_") and key.endswith("_"))}
+    inputs = {key: value for key, value in model_inputs.items() if key not in arguments}
+    with _global_rng_kept():
+        torch.manual_seed(int(config.get("seed", 0)))  # the weights are overwritten; only the build's draws
+        try:
+            return builder(**arguments, **inputs, moe_kwargs=moe_kwargs(gate_config))
+        except (ValueError, TypeError) as error:
+            raise RunError(f"model ({model_config['_target_']}): {_one_line(error)}") from None
+
+
+def _one_line(error: BaseException) -> str:
+    return " ".join(str(error).split())
+
+
+def _step_of(entry: Path) -> int:
+    return int(_STEP.match(entry.name).group(1))
+
+
+def _read(entry: Path) -> dict:
+    """One checkpoint's state with the whole model: a file as it is, a per-rank directory gathered
+    (every rank's file checked against SHA256SUMS). Raises CheckpointError for a damaged one."""
+    checkpoint.check_complete(entry)
+    if not entry.is_dir():
+        return checkpoint.load(entry)
+    from moetrain.parallel import checkpoint as shards  # torch.distributed only for per-rank checkpoints
+
+    try:
+        return shards.consolidate(shards.load_shards(str(entry)))
+    except (FileNotFoundError, KeyError) as error:
+        raise checkpoint.CheckpointError(f"{entry}: {_one_line(error)}") from None
+
+
+def find_checkpoint(run_dir: str | Path, step: int | None = None) -> tuple[Path, dict]:
+    """(checkpoint path, its state) of the run directory: `step`'s checkpoint, or with None the
+    newest intact one (newer incomplete or corrupted ones are skipped with a warning)."""
+    run_dir = Path(run_dir).expanduser()
+    if not run_dir.exists():
+        raise RunError(f"run directory {run_dir} does not exist: pass the folder a moetrain run wrote "
+                       "(runs/<date>_<time>_<name>)")
+    if not run_dir.is_dir():
+        raise RunError(f"{run_dir} is a file, not a run directory: pass the folder that holds checkpoints/")
+    folder = run_dir / checkpoint.CHECKPOINT_DIR
+    entries = checkpoint.checkpoints(folder)
+    if not entries:
+        raise RunError(f"no checkpoint in {folder}: the run saved none yet (trainer.checkpoint_every, or it "
+                       "stopped before its first save); train it further or pass another run directory")
+    if step is not None:
+        if isinstance(step, bool) or not isinstance(step, int):
+            raise RunError(f"step must be an integer step number, got {step!r}")
+        chosen = [entry for entry in entries if _step_of(entry) == step]
+        if not chosen:
+            steps = ", ".join(str(_step_of(entry)) for entry in entries)
+            raise RunError(f"{run_dir} has no checkpoint of step {step}: it has step(s) {steps}")
+        try:
+            return chosen[0], _read(chosen[0])
+        except checkpoint.CheckpointError as error:
+            raise RunError(f"step {step}: {_one_line(error)}") from None
+    skipped = []
+    for entry in reversed(entries):
+        try:
+            return entry, _read(entry)
+        except checkpoint.CheckpointError as error:
+            log.warning("skipping %s: %s", entry.name, _one_line(error))
+            skipped.append(entry.name)
+    raise RunError(f"no intact checkpoint in {folder}: {', '.join(skipped)} "
+                   f"{'is' if len(skipped) == 1 else 'are'} incomplete or corrupted (each reason is logged); "
+                   "restore one from a copy")
+
+
+def load_run(run_dir: str | Path, step: int | None = None, device: str | torch.device = "cpu") -> Run:
+    """The model of a run directory as trained (see the module doc), in eval mode on `device`."""
+    path, state = find_checkpoint(run_dir, step)
+    config = state.get("config")
+    if not isinstance(config, dict) or "model" not in config or "data" not in config:
+        raise RunError(f"{path} holds no run config (model and data): it was not written by the moetrain trainer")
+    data = build_data(config["data"], int(config.get("seed", 0)))
+    model = build_model(config, data.model_inputs)
+    try:
+        model.load_state_dict(state["model"])
+    except RuntimeError as error:
+        first = next((line.strip() for line in str(error).splitlines()[1:] if line.strip()), _one_line(error))
+        raise RunError(f"{path} does not fit the model its own config builds ({first}): was the data it was "
+                       "trained on changed since? (the data fixes the vocabulary, sequence and image sizes)") from None
+    model.to(device).eval()
+    return Run(run_dir=Path(run_dir), checkpoint=path, step=int(state["step"]), config=config, model=model,
+               data=data, model_inputs=dict(data.model_inputs))
