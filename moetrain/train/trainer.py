@@ -39,7 +39,7 @@ from moetrain.data import DataModule
 from moetrain.models.throughput import training_throughput
 from moetrain.moe import MoELayer, update_router_biases
 from moetrain.train import checkpoint
-from moetrain.train.metrics import TensorBoard, flatten
+from moetrain.train.metrics import TensorBoard, append_metrics, flatten, load_postfix
 from moetrain.train.optim import build_scheduler
 from moetrain.train.strategy import SingleProcess
 from moetrain.train.stream import BatchStream
@@ -401,7 +401,10 @@ class Trainer:
                         self.model, metrics["train/samples_per_sec"], seq_len, self.device, self.strategy.world_size
                     )
                     metrics.update({f"train/{key}": value for key, value in throughput.items()})
-                bar.set_postfix(loss=f"{metrics['train/loss']:.4f}", samples_s=f"{metrics['train/samples_per_sec']:.0f}")
+                bar.set_postfix(loss=f"{metrics['train/loss']:.4f}", samples_s=f"{metrics['train/samples_per_sec']:.0f}",
+                                **load_postfix(routing))
+                if self.strategy.is_main:
+                    append_metrics(self.run_dir, self.step, metrics, "train/")
                 if board is not None:
                     board.scalars({k: v for k, v in metrics.items() if k.startswith("train/")}, self.step)
                     board.scalars({"train/skipped_steps": self.skipped_steps}, self.step)
@@ -423,5 +426,7 @@ class Trainer:
                 )
                 if board is not None:
                     board.scalars({k: v for k, v in metrics.items() if k.startswith("eval/")}, self.step)
+                if self.strategy.is_main:
+                    append_metrics(self.run_dir, self.step, metrics, "eval/")
             if (cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0) or last:
                 self.save_checkpoint()
