@@ -134,8 +134,11 @@ class WorkerExit:
     @property
     def communication_error(self) -> bool:
         """It raised because a collective failed: usually the sign of another rank's failure."""
-        return bool(self.error_text) and (
-            isinstance(self.error, dist.DistError) or bool(_COMMUNICATION_ERROR.search(self.error_text)))
+        if isinstance(self.error, dist.DistError):
+            return True
+        # Gloo's errors are plain RuntimeErrors (subclasses are the rank's own: NonFiniteLoss, ...).
+        plain = self.error is None or type(self.error) is RuntimeError
+        return plain and bool(_COMMUNICATION_ERROR.search(self.error_text))
 
     def describe(self) -> str:
         who = f"worker rank {self.rank} (pid {self.pid})"
