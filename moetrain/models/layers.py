@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moetrain.moe import MoELayer
+from moetrain.moe import MoELayer, recompute
 
 NORMS = ("rmsnorm", "layernorm")
 
@@ -238,7 +238,12 @@ class LatentAttention(nn.Module):
 
 
 class TransformerBlock(nn.Module):
-    """Pre-norm residual block: x + attention(norm(x)), then x + ffn(norm(x))."""
+    """Pre-norm residual block: x + attention(norm(x)), then x + ffn(norm(x)).
+
+    activation_checkpointing (moetrain.moe.recompute): "full" recomputes the whole block in
+    backward, "selective" its attention (the MoE layer recomputes its experts itself)."""
+
+    activation_checkpointing = "none"
 
     def __init__(self, dim: int, attention: nn.Module, ffn: nn.Module, norm: str = "rmsnorm", norm_eps: float = 1e-6, dropout: float = 0.0):
         super().__init__()
@@ -253,7 +258,19 @@ class TransformerBlock(nn.Module):
         return isinstance(self.ffn, MoELayer)
 
     def forward(self, x_BTD: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-        x_BTD = x_BTD + self.dropout(self.attn(self.attn_norm(x_BTD), rotary))
+        if self.activation_checkpointing == "full" and torch.is_grad_enabled():
+            return recompute.checkpoint_block(self._forward, x_BTD, rotary)
+        return self._forward(x_BTD, rotary)
+
+    def _attention(self, x_BTD: torch.Tensor, rotary) -> torch.Tensor:
+        return self.attn(self.attn_norm(x_BTD), rotary)
+
+    def _forward(self, x_BTD: torch.Tensor, rotary) -> torch.Tensor:
+        if self.activation_checkpointing == "selective" and torch.is_grad_enabled():
+            attended_BTD = recompute.checkpoint_call(self._attention, x_BTD, rotary)
+        else:
+            attended_BTD = self._attention(x_BTD, rotary)
+        x_BTD = x_BTD + self.dropout(attended_BTD)
         return x_BTD + self.dropout(self.ffn(self.ffn_norm(x_BTD)))
 
 

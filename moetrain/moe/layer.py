@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from moetrain import ops
-from moetrain.moe import losses
+from moetrain.moe import losses, recompute
 from moetrain.moe.experts import DenseFeedForward, activation_fn, build_experts
 from moetrain.moe.gates import Gate, build_gate
 from moetrain.moe.routing import RoutingPlan, make_plan
@@ -117,6 +117,9 @@ class MoELayer(nn.Module):
         self.stats: RoutingStats | None = None
         # Set by moetrain.parallel.parallelize: runs the experts across ranks (None: all local).
         self.parallel = None
+        # Set by moetrain.moe.recompute.set_activation_checkpointing (selective mode): the experts'
+        # hidden activations are recomputed in backward from the dispatched buffer.
+        self.recompute_experts = False
 
     def _check_top_k(self, top_k) -> int:
         if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= self.num_experts:
@@ -146,10 +149,24 @@ class MoELayer(nn.Module):
         # a bf16 router matmul would flip near-tied choices.
         # (Leaving autocast costs a context switch, so only when it is on.)
         device = x_TD.device.type
+        # Inside a block recomputed by full activation checkpointing, the routing recorded by the
+        # first forward is replayed (moetrain/moe/recompute.py): same plan, gate state untouched.
+        phase = recompute.routing_phase()
+        replaying = phase is not None and phase[1]
+        gate_state = [buffer.clone() for buffer in self.gate.buffers()] if replaying else None
         with torch.autocast(device, enabled=False) if torch.is_autocast_enabled(device) else contextlib.nullcontext():
             routed = self.gate(x_TD, top_k)
+        if replaying:
+            with torch.no_grad():
+                for buffer, value in zip(self.gate.buffers(), gate_state):
+                    buffer.copy_(value)
         priority_T = routed.priority() if self.batch_prioritized else None
-        plan = make_plan(routed.topk_idx_TK, priority_T, self.num_experts, cf, self.batch_prioritized, self.impl)
+        if replaying:
+            plan = phase[0].next(self)
+        else:
+            plan = make_plan(routed.topk_idx_TK, priority_T, self.num_experts, cf, self.batch_prioritized, self.impl)
+            if phase is not None:
+                phase[0].add(self, plan)
         buf_RD = ops.dispatch(x_TD, plan.dest_TK, plan.num_rows, impl=self.impl)
         out_RD = self.run_experts(buf_RD, plan, adaptive_r, a2a_ffn_overlap_degree)
         y_TD = ops.combine(out_RD, plan.dest_TK, routed.topk_weight_TK, impl=self.impl)
@@ -160,27 +177,33 @@ class MoELayer(nn.Module):
         balance = losses.balance_loss(routed.probs_TE, plan.load_E, routed.topk_idx_TK.numel())
         # Weight 1 (the default) returns the loss itself: torch.compile (torch 2.14's inductor) failed
         # in backward when a graph returned both `1.0 * balance` and `balance.detach()`.
-        self.aux_loss = balance if self.balance_loss_weight == 1.0 else self.balance_loss_weight * balance
+        aux_loss = balance if self.balance_loss_weight == 1.0 else self.balance_loss_weight * balance
         z = None
         if self.z_loss_weight:  # otherwise computed only if someone reads stats.z_loss
             z = losses.z_loss(routed.logits_TE)
-            self.aux_loss = self.aux_loss + self.z_loss_weight * z
-        self.stats = RoutingStats(
-            tokens_per_expert=plan.load_E.detach(),
-            kept_per_expert=plan.counts_E.detach(),
-            padded_capacity=plan.capacity,
-            balance_loss=balance.detach(),
-            router_logits=routed.logits_TE.detach(),
-            z_loss_value=None if z is None else z.detach(),
-        )
+            aux_loss = aux_loss + self.z_loss_weight * z
+        if not replaying:  # a recomputation's losses feed its backward only; the first forward's stand
+            self.aux_loss = aux_loss
+            self.stats = RoutingStats(
+                tokens_per_expert=plan.load_E.detach(),
+                kept_per_expert=plan.counts_E.detach(),
+                padded_capacity=plan.capacity,
+                balance_loss=balance.detach(),
+                router_logits=routed.logits_TE.detach(),
+                z_loss_value=None if z is None else z.detach(),
+            )
         return y_TD.view(x.shape[:-1] + (y_TD.size(-1),))
 
     def run_experts(self, buf_RD: torch.Tensor, plan: RoutingPlan, adaptive_r: int | None = None,
                     a2a_ffn_overlap_degree: int | None = None) -> torch.Tensor:
         """The experts on the expert-major buffer; expert parallelism plugs in here."""
+        recompute_experts = self.recompute_experts and torch.is_grad_enabled()
         if self.parallel is not None:
-            return self.parallel.run_experts(self.experts, buf_RD, plan, adaptive_r, a2a_ffn_overlap_degree)
+            return self.parallel.run_experts(self.experts, buf_RD, plan, adaptive_r, a2a_ffn_overlap_degree,
+                                             recompute=recompute_experts)
         if adaptive_r is not None or a2a_ffn_overlap_degree is not None:
             raise ValueError("adaptive_r and a2a_ffn_overlap_degree need expert parallelism: call "
                              "moetrain.parallel.parallelize(model) after initialising torch.distributed")
+        if recompute_experts:
+            return recompute.checkpoint_call(self.experts, buf_RD, plan.counts_E, plan.capacity)
         return self.experts(buf_RD, plan.counts_E, plan.capacity)

@@ -46,6 +46,7 @@ from torch.func import functional_call
 
 from moetrain import net
 from moetrain.moe.experts import Experts, FFNExperts, SwiGLUExperts, mark_expert
+from moetrain.moe.recompute import checkpoint_call
 from moetrain.moe.routing import RoutingPlan
 from moetrain.parallel.layout import ExpertLayout
 
@@ -121,16 +122,26 @@ class _ScaleGradient(torch.autograd.Function):
         return grad * ctx.factor, None
 
 
-def _mean_gradient_experts(experts, params, x_RD, counts, capacity, world_size):
+def _mean_gradient_experts(experts, params, x_RD, counts, capacity, world_size, recompute=False):
     """The experts on x_RD with their weight gradients divided by world_size, as the optimizer's
     mean over ranks needs (see optimizer.py): the gradient entering their backward is divided and
     the one leaving towards the tokens multiplied back. Two passes over the activations here cost
     far less than one over every expert's weight gradient after the backward (on 2 GPUs of the
-    benchmark: 2 x 67 MB a layer against 537 MB of bf16 weight gradients a layer)."""
+    benchmark: 2 x 67 MB a layer against 537 MB of bf16 weight gradients a layer).
+    recompute: the experts' hidden activations are recomputed in backward (selective activation
+    checkpointing); only the local computation is, never the exchange around it."""
+    def run(x_RD, *param_values):
+        return functional_call(experts, dict(zip(params, param_values)), (x_RD, counts, capacity))
+
+    def call(x_RD):
+        if recompute:
+            return checkpoint_call(run, x_RD, *params.values())
+        return run(x_RD, *params.values())
+
     if world_size == 1:
-        return functional_call(experts, params, (x_RD, counts, capacity))
+        return call(x_RD)
     x_RD = _ScaleGradient.apply(x_RD, float(world_size))
-    y_RD = functional_call(experts, params, (x_RD, counts, capacity))
+    y_RD = call(x_RD)
     return _ScaleGradient.apply(y_RD, 1.0 / world_size)
 
 
@@ -147,16 +158,17 @@ class ExpertParallel:
         self.exchange = _check_exchange(exchange)
 
     def run_experts(self, experts: Experts, buf_RD: torch.Tensor, plan: RoutingPlan, adaptive_r: int | None = None,
-                    a2a_ffn_overlap_degree: int | None = None) -> torch.Tensor:
+                    a2a_ffn_overlap_degree: int | None = None, recompute: bool = False) -> torch.Tensor:
+        """recompute: the experts' hidden activations are recomputed in backward (not the exchange)."""
         r = self.adaptive_r if adaptive_r is None else self.layout.check_r(adaptive_r)
         overlap = self.a2a_ffn_overlap_degree if a2a_ffn_overlap_degree is None else _check_overlap(a2a_ffn_overlap_degree)
         if r == 0:
             return _mean_gradient_experts(experts, self._all_experts(experts), buf_RD, plan.counts_E, plan.capacity,
-                                          self.layout.world_size)
+                                          self.layout.world_size, recompute)
         params = dict(experts.named_parameters()) if r == 1 else self._hidden_slices(experts, r)
         if plan.capacity is not None:
-            return self._padded(experts, params, buf_RD, plan.capacity, r, overlap)
-        return self._packed(experts, params, buf_RD, plan.counts_E, r)
+            return self._padded(experts, params, buf_RD, plan.capacity, r, overlap, recompute)
+        return self._packed(experts, params, buf_RD, plan.counts_E, r, recompute)
 
     # ------------------------------------------------------------------ weights for each degree
 
@@ -203,7 +215,7 @@ class ExpertParallel:
         dist.all_reduce(value, op=dist.ReduceOp.MAX, group=self.host_group)
         return int(value[0])
 
-    def _padded(self, experts, params, buf_RD, capacity, r, overlap):
+    def _padded(self, experts, params, buf_RD, capacity, r, overlap, recompute):
         layout = self.layout
         group = layout.expert_group(r)
         members = dist.get_world_size(group)
@@ -217,7 +229,7 @@ class ExpertParallel:
         x_VCD = x_ECD if r == 1 else x_ECD.unsqueeze(1).expand(num_experts, r, common, dim).reshape(-1, common, dim)
         local, chunk = x_VCD.size(0) // members, common // overlap
         if self.exchange == "peer_memory" and overlap == 1:
-            y_VCD = self._through_peer_memory(experts, params, x_VCD, group, local)
+            y_VCD = self._through_peer_memory(experts, params, x_VCD, group, local, recompute)
             if r > 1:
                 y_VCD = y_VCD.view(num_experts, r, common, -1).sum(1)
             return y_VCD[:, :capacity].reshape(num_experts * capacity, -1)
@@ -227,7 +239,8 @@ class ExpertParallel:
             # the results go back destination-major [G, L, c, D]: a copy each way.
             x_RD = _SwapLeading.apply(recv_VcD, members, local).view(-1, dim)
             counts = torch.full((local,), members * chunk, dtype=torch.long, device=x_RD.device)
-            y_RD = _mean_gradient_experts(experts, params, x_RD, counts, members * chunk, layout.world_size)
+            y_RD = _mean_gradient_experts(experts, params, x_RD, counts, members * chunk, layout.world_size,
+                                          recompute)
             return _SwapLeading.apply(y_RD, local, members).view(local * members, chunk, -1)
 
         # Chunks of the capacity dim. Every dispatch exchange is launched first; chunk i's experts
@@ -245,7 +258,7 @@ class ExpertParallel:
             y_VCD = y_VCD.view(num_experts, r, common, -1).sum(1)
         return y_VCD[:, :capacity].reshape(num_experts * capacity, -1)
 
-    def _through_peer_memory(self, experts, params, x_VCD, group, local):
+    def _through_peer_memory(self, experts, params, x_VCD, group, local, recompute):
         """Unchunked exchange through peer memory: the rows arrive expert-major ([L, G*C, D]) and
         the results leave from there, with no regrouping copies and no NCCL kernel."""
         exchange = self.layout.peer_exchanges.get(group)
@@ -255,10 +268,10 @@ class ExpertParallel:
         rows = x_LRD.size(1)
         counts = torch.full((local,), rows, dtype=torch.long, device=x_LRD.device)
         y_RD = _mean_gradient_experts(experts, params, x_LRD.view(-1, x_LRD.size(-1)), counts, rows,
-                                      self.layout.world_size)
+                                      self.layout.world_size, recompute)
         return exchange.all_to_all(y_RD.view(local, rows, -1), 1, 0)
 
-    def _packed(self, experts, params, buf_RD, counts_E, r):
+    def _packed(self, experts, params, buf_RD, counts_E, r, recompute):
         layout = self.layout
         group = layout.expert_group(r)
         members = dist.get_world_size(group)
@@ -287,7 +300,7 @@ class ExpertParallel:
         perm = torch.cat([torch.arange(offsets[b], offsets[b] + sizes[b], device=buf_RD.device) for b in order]
                          + [torch.empty(0, dtype=torch.long, device=buf_RD.device)])
         y_RD = _mean_gradient_experts(experts, params, recv_RD.index_select(0, perm), recv_counts_GL.sum(0), None,
-                                      layout.world_size)
+                                      layout.world_size, recompute)
         back_RD = torch.empty_like(perm).index_copy_(0, perm, torch.arange(perm.numel(), device=perm.device))
         y_RD = net.all_to_all_single(y_RD.index_select(0, back_RD), send_rows, recv_rows, group=group)
 

@@ -1,0 +1,111 @@
+"""Activation checkpointing (torch.utils.checkpoint, non-reentrant) that never re-routes.
+
+Three modes, set on a model by `set_activation_checkpointing(model, mode)`:
+
+  none       every activation is kept for the backward pass;
+  selective  attention (with its input norm) and the routed experts' hidden activations are
+             recomputed in the backward pass; the gate, the routing plan, dispatch and combine
+             run once, so the recomputation starts from the same expert-major buffer and can
+             never route differently;
+  full       each transformer block is recomputed as a whole. The recomputed MoE layer reuses
+             the routing plan (and the balance loss's token counts) recorded by the first
+             forward instead of building a new one, and its gate leaves its state untouched
+             (the sigmoid gate counts its load in forward: that must happen once).
+
+Both recompute exactly what the first forward computed (checkpoint restores the random state, so
+router jitter and dropout draw the same numbers): losses, gradients, aux losses and routing
+statistics equal those of the model without checkpointing, bit for bit on the same device.
+
+How a recomputing MoE layer knows: `checkpoint_block` gives torch.utils.checkpoint a context_fn
+whose forward context records each layer's plan and whose recompute context replays it; the
+layer asks `routing_phase()`.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+MODES = ("none", "selective", "full")
+
+
+def check_mode(mode) -> str:
+    if mode not in MODES:
+        raise ValueError(f"activation_checkpointing must be one of {list(MODES)}, got {mode!r}")
+    return mode
+
+
+class RoutingRecord:
+    """The routing of each MoE layer inside one checkpointed call, in call order per layer."""
+
+    def __init__(self):
+        self.entries: dict[int, list] = {}
+        self.replayed: dict[int, int] = {}
+
+    def add(self, layer: nn.Module, entry) -> None:
+        self.entries.setdefault(id(layer), []).append(entry)
+
+    def next(self, layer: nn.Module):
+        index = self.replayed.get(id(layer), 0)
+        entries = self.entries.get(id(layer), [])
+        if index >= len(entries):
+            raise RuntimeError("activation checkpointing: the recomputed block called an MoE layer more often "
+                               "than its first forward did")
+        self.replayed[id(layer)] = index + 1
+        return entries[index]
+
+
+# (record, replaying) of the checkpointed calls in progress, innermost last. Not thread-local: on
+# GPUs the autograd engine recomputes in its own threads.
+_PHASES: list[tuple[RoutingRecord, bool]] = []
+
+
+@contextmanager
+def _phase(record: RoutingRecord, replaying: bool):
+    if replaying:
+        record.replayed.clear()  # a second backward through retain_graph replays from the start
+    _PHASES.append((record, replaying))
+    try:
+        yield
+    finally:
+        _PHASES.pop()
+
+
+def routing_phase() -> tuple[RoutingRecord, bool] | None:
+    """(record, replaying) when an MoE layer runs inside a block checkpointed by checkpoint_block."""
+    return _PHASES[-1] if _PHASES else None
+
+
+def checkpoint_block(function, *args):
+    """function(*args) with its activations recomputed in backward; MoE layers inside record their
+    routing in the forward and replay it in the recomputation."""
+    record = RoutingRecord()
+    return checkpoint(function, *args, use_reentrant=False,
+                      context_fn=lambda: (_phase(record, False), _phase(record, True)))
+
+
+def checkpoint_call(function, *args):
+    """function(*args) with its activations recomputed in backward (a part without routing)."""
+    return checkpoint(function, *args, use_reentrant=False)
+
+
+def set_activation_checkpointing(model: nn.Module, mode: str) -> None:
+    """Set the mode (see the top of this file) on every transformer block and MoE layer of `model`."""
+    from moetrain.models.layers import TransformerBlock
+    from moetrain.moe import moe_layers
+
+    check_mode(mode)
+    blocks = [module for module in model.modules() if isinstance(module, TransformerBlock)]
+    if mode == "full" and not blocks:
+        raise ValueError("activation_checkpointing=full recomputes transformer blocks and this model has none: "
+                         "use selective (MoE layers' experts) or none")
+    if mode == "selective" and not blocks and not moe_layers(model):
+        raise ValueError("activation_checkpointing=selective recomputes attention and experts and this model has "
+                         "neither transformer blocks nor MoE layers: use none")
+    for block in blocks:
+        block.activation_checkpointing = mode
+    for layer in moe_layers(model):
+        layer.recompute_experts = mode == "selective"
