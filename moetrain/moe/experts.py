@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moetrain import ops
-from moetrain.ops import swiglu
+from moetrain.ops import packed_bias, swiglu
 from moetrain.ops.grouped import add_expert_bias, expert_matmul, padded_matmul, padded_uses_bmm
 
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {"relu": F.relu, "gelu": F.gelu, "silu": F.silu}
@@ -81,7 +81,10 @@ class FFNExperts(Experts):
     def forward(self, x_RD, counts_E, capacity):
         if capacity is not None and self.impl == "kernel" and padded_uses_bmm():
             return self._padded_fused(x_RD, capacity)
-        h_RH = self.act(add_expert_bias(expert_matmul(x_RD, self.w1, counts_E, capacity), self.b1, counts_E, capacity))
+        h_RH = expert_matmul(x_RD, self.w1, counts_E, capacity)
+        if capacity is None and self.impl == "kernel" and packed_bias.kernel_runs(h_RH, self.b1.to(h_RH.dtype)):
+            return self._packed_fused(h_RH, counts_E)
+        h_RH = self.act(add_expert_bias(h_RH, self.b1, counts_E, capacity))
         return add_expert_bias(expert_matmul(h_RH, self.w2, counts_E, capacity), self.b2, counts_E, capacity)
 
     def _padded_fused(self, x_RD, capacity):
@@ -94,6 +97,18 @@ class FFNExperts(Experts):
             h_ECH = self.act(h_ECH)
         y_ECD = padded_matmul(h_ECH.view(-1, self.hidden_size), self.w2, capacity)
         return ops.bias_act(y_ECD, self.b2.to(y_ECD.dtype), capacity, False).view(-1, self.model_dim)
+
+    def _packed_fused(self, h_RH, counts_E):
+        """Packed layout on CUDA, from the first GEMM's output: each GEMM's bias (and the ReLU) in one
+        pass over its output (moetrain.ops.packed_bias) instead of a one-hot GEMM epilogue and an
+        activation pass."""
+        relu = self.activation == "relu"
+        expert_R = packed_bias.expert_of_rows(counts_E, h_RH.size(0))
+        h_RH = packed_bias.packed_bias_act(h_RH, self.b1.to(h_RH.dtype), expert_R, relu)
+        if not relu:
+            h_RH = self.act(h_RH)
+        y_RD = expert_matmul(h_RH, self.w2, counts_E, None)
+        return packed_bias.packed_bias_act(y_RD, self.b2.to(y_RD.dtype), expert_R, False)
 
 
 class SwiGLUExperts(Experts):
