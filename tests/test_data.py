@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pickle
+import re
 
 import numpy as np
 import pytest
@@ -116,3 +117,54 @@ def test_stream_resumes_mid_epoch_with_the_same_batches():
     epoch = torch.cat(reference[:6])
     assert len(set(epoch.tolist())) == 18  # an epoch sees distinct items; the last 2 are dropped
     assert not torch.equal(torch.cat(reference[6:12]), epoch)  # each epoch reshuffles
+
+
+def _copy(root, tmp_path):
+    import shutil
+
+    shutil.copytree(root, tmp_path / "copy")
+    return tmp_path / "copy"
+
+
+@pytest.mark.parametrize("damage", ["garbage", "truncated", "label 10", "fewer labels"])
+def test_mnist_files_that_are_not_mnist_are_named_with_the_fault(damage, mnist_root, tmp_path):
+    root = _copy(mnist_root, tmp_path)
+    raw = root / "MNIST" / "raw"
+    rng = np.random.default_rng()
+    images, labels = raw / "t10k-images-idx3-ubyte", raw / "t10k-labels-idx1-ubyte"
+    if damage == "garbage":
+        images.write_bytes(bytes([1, 2, 3, 4]) + rng.integers(0, 256, 900, dtype=np.uint8).tobytes())
+        expected = re.escape("t10k-images-idx3-ubyte starts with bytes 01 02 03 04, not the idx magic 00 00 08 03")
+    elif damage == "truncated":
+        cut = int(rng.integers(17, len(images.read_bytes())))
+        images.write_bytes(images.read_bytes()[:cut])
+        expected = re.escape(f"t10k-images-idx3-ubyte is {cut} bytes, but its header promises 16 items "
+                             f"({16 + 16 * 28 * 28} bytes)")
+    elif damage == "label 10":
+        content = bytearray(labels.read_bytes())
+        content[8 + int(rng.integers(0, 16))] = 10
+        labels.write_bytes(bytes(content))
+        expected = re.escape("t10k-labels-idx1-ubyte has labels outside the 10 classes 0..9 (the largest: 10)")
+    else:
+        content = labels.read_bytes()
+        labels.write_bytes(content[:4] + (15).to_bytes(4, "big") + content[8:-1])
+        expected = "t10k-images-idx3-ubyte and t10k-labels-idx1-ubyte in .* hold 16 images but 15 labels"
+    with pytest.raises(ConfigError, match=expected):
+        mnist(str(root), download=False, verify_checksums=False)
+
+
+def test_cifar10_files_that_are_not_cifar10_are_named(cifar10_root, tmp_path):
+    root = _copy(cifar10_root, tmp_path)
+    folder = root / "cifar-10-batches-py"
+    (folder / "data_batch_4").write_bytes(np.random.default_rng().integers(0, 256, 500, dtype=np.uint8).tobytes())
+    with pytest.raises(ConfigError, match="cifar-10-batches-py/data_batch_4 is not a pickled CIFAR-10 batch"):
+        cifar10(str(root), download=False, verify_checksums=False)
+    (folder / "data_batch_4").write_bytes((cifar10_root / "cifar-10-batches-py" / "data_batch_4").read_bytes())
+    with open(folder / "test_batch", "rb") as f:
+        batch = pickle.load(f)
+    index = int(np.random.default_rng().integers(0, 16))
+    batch["labels"][index] = -1
+    with open(folder / "test_batch", "wb") as f:
+        pickle.dump(batch, f)
+    with pytest.raises(ConfigError, match=rf"test_batch has 1 labels outside the 10 classes 0..9 \(the first: -1 of image {index}\)"):
+        cifar10(str(root), download=False, verify_checksums=False)

@@ -113,3 +113,50 @@ def test_synthetic_lm_has_the_stated_loss_floor():
     assert torch.equal(again.train_set.tensors[0], inputs)
     other = synthetic_lm(vocab_size=16, seq_len=32, branching=3, train_size=2000, eval_size=10, seed=4)
     assert not torch.equal(other.train_set.tensors[0], inputs)
+
+
+def test_faults_in_text_files_name_the_file_and_its_line(tmp_path):
+    rng = np.random.default_rng()
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "a.txt").write_text(random_text(rng, 40))
+    lines = [random_text(rng, 5) for _ in range(int(rng.integers(3, 30)))]
+    bad_line = int(rng.integers(1, len(lines) + 1))  # 1-based, as editors count
+    raw = [line.encode("utf-8") for line in lines]
+    raw[bad_line - 1] += b" \xff"  # never valid UTF-8
+    (corpus / "b.txt").write_bytes(b"\n".join(raw))
+    offset = len(b"\n".join(raw[:bad_line])) - 1  # the 0xff byte
+    with pytest.raises(ValueError, match=rf"corpus/b.txt:{bad_line}: not UTF-8 text \(byte 0xff at offset {offset}\)"):
+        text(str(corpus))
+
+    records = [json.dumps({"text": random_text(rng, 4)}) for _ in range(int(rng.integers(150, 250)))]
+    broken = int(rng.integers(1, len(records) + 1))
+    records[broken - 1] = records[broken - 1][:-1] + ", }"  # a trailing comma: a name is expected there
+    column = len(records[broken - 1])  # the "}" closes the line
+    (tmp_path / "docs.jsonl").write_text("\n".join(records) + "\n")
+    with pytest.raises(ValueError, match=rf"docs.jsonl:{broken}: invalid JSON at column {column}"):
+        text(str(tmp_path / "docs.jsonl"))
+
+
+@pytest.mark.parametrize("suffix", [".npy", ".bin"])
+def test_token_ids_outside_the_vocabulary_name_the_file_and_position(tmp_path, suffix):
+    rng = np.random.default_rng()
+    folder = tmp_path / "tokens"
+    folder.mkdir()
+    good = rng.integers(0, 100, 500).astype(np.int32)
+    bad = rng.integers(0, 100, 500).astype(np.int32)
+    position = int(rng.integers(0, 500))
+    write = (lambda path, ids: np.save(path, ids)) if suffix == ".npy" else (lambda path, ids: ids.tofile(path))
+    write(folder / f"a{suffix}", good)
+    for value, message in ((-int(rng.integers(1, 50)), "is negative"), (100 + int(rng.integers(0, 50)), ">= data.vocab_size=100")):
+        bad_ids = bad.copy()
+        bad_ids[position] = value
+        write(folder / f"b{suffix}", bad_ids)
+        with pytest.raises(ValueError, match=rf"tokens/b{suffix}: token id {value} .*{message}") as error:
+            text(str(folder), seq_len=16, vocab_size=100, token_dtype="int32")
+        assert f"position {position}" in str(error.value)
+    (folder / f"b{suffix}").unlink()
+    if suffix == ".bin":  # a size that is no whole number of ids: the wrong token_dtype
+        (folder / "a.bin").write_bytes(b"\x01\x02\x03")
+        with pytest.raises(ValueError, match="a.bin: 3 bytes is not a whole number of int32 token ids"):
+            text(str(folder), seq_len=16, vocab_size=100, token_dtype="int32")
