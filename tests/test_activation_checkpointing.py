@@ -20,6 +20,7 @@ from moetrain.moe.recompute import set_activation_checkpointing
 GATES = {
     "top+jitter, padded": dict(gate="top", gate_kwargs={"jitter_eps": 0.2}, capacity_factor=1.0),
     "sigmoid+bias, dropless": dict(gate="sigmoid", gate_kwargs={"bias_update_rate": 0.05}, capacity_factor=0.0,
+                                   balance_loss="sequence",
                                    z_loss_weight=0.01),
 }
 STEPS = 3

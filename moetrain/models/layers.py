@@ -28,6 +28,7 @@ MOE_KWARGS = (
     "capacity_factor",
     "gate_kwargs",
     "balance_loss_weight",
+    "balance_loss",
     "z_loss_weight",
     "batch_prioritized",
     "impl",

@@ -20,11 +20,16 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+import torch.distributed as dist
+
 from moetrain import ops
 from moetrain.moe import losses, recompute
 from moetrain.moe.experts import DenseFeedForward, activation_fn, build_experts
 from moetrain.moe.gates import Gate, build_gate
 from moetrain.moe.routing import RoutingPlan, make_plan
+
+# Where the balance loss counts its tokens per expert (moetrain/moe/losses.py).
+BALANCE_LOSSES = ("micro_batch", "global_batch", "sequence")
 
 # Importing the built-in gates registers them by name.
 from moetrain.moe import cosine_gate, sigmoid_gate, top_gate  # noqa: F401,E402  isort: skip
@@ -80,6 +85,7 @@ class MoELayer(nn.Module):
         num_shared_experts: int = 0,
         shared_hidden_size: int | None = None,
         balance_loss_weight: float = 1.0,
+        balance_loss: str = "micro_batch",
         z_loss_weight: float = 0.0,
         batch_prioritized: bool = False,
         impl: str = "kernel",
@@ -99,6 +105,12 @@ class MoELayer(nn.Module):
             ops.load()  # now, not inside the first (possibly compiled) forward: fails early if unavailable
         self.batch_prioritized = bool(batch_prioritized)
         self.balance_loss_weight = float(balance_loss_weight)
+        if balance_loss not in BALANCE_LOSSES:
+            raise ValueError(f"balance_loss must be one of {list(BALANCE_LOSSES)}, got {balance_loss!r}")
+        self.balance_loss = balance_loss
+        # global_batch sums the token counts over this process group (None: every rank, when
+        # torch.distributed is initialised; one process alone has nothing to sum).
+        self.balance_group = None
         self.z_loss_weight = float(z_loss_weight)
         self.gate: Gate = build_gate(gate, model_dim, num_experts, gate_kwargs)
         self.experts = build_experts(expert, num_experts, model_dim, hidden_size, activation)
@@ -162,11 +174,12 @@ class MoELayer(nn.Module):
                     buffer.copy_(value)
         priority_T = routed.priority() if self.batch_prioritized else None
         if replaying:
-            plan = phase[0].next(self)
+            plan, global_load_E, global_choices = phase[0].next(self)
         else:
             plan = make_plan(routed.topk_idx_TK, priority_T, self.num_experts, cf, self.batch_prioritized, self.impl)
+            global_load_E, global_choices = self._global_load(plan.load_E, routed.topk_idx_TK.numel())
             if phase is not None:
-                phase[0].add(self, plan)
+                phase[0].add(self, (plan, global_load_E, global_choices))
         buf_RD = ops.dispatch(x_TD, plan.dest_TK, plan.num_rows, impl=self.impl)
         out_RD = self.run_experts(buf_RD, plan, adaptive_r, a2a_ffn_overlap_degree)
         y_TD = ops.combine(out_RD, plan.dest_TK, routed.topk_weight_TK, impl=self.impl)
@@ -174,7 +187,17 @@ class MoELayer(nn.Module):
             y_TD = y_TD + self.shared(x_TD).to(y_TD.dtype)
 
         # The plan already counts the choices per expert (before dropping): the balance loss's f_e.
-        balance = losses.balance_loss(routed.probs_TE, plan.load_E, routed.topk_idx_TK.numel())
+        if self.balance_loss == "sequence":
+            if x.dim() < 3:
+                raise ValueError(f"balance_loss='sequence' needs x shaped [..., sequence, model_dim], got shape "
+                                 f"{tuple(x.shape)}: pass sequences, or use micro_batch or global_batch")
+            sequence_shape = (-1, x.size(-2))
+            balance = losses.sequence_balance_loss(routed.probs_TE.view(*sequence_shape, self.num_experts),
+                                                   routed.topk_idx_TK.view(*sequence_shape, top_k))
+        elif self.balance_loss == "global_batch":
+            balance = losses.balance_loss(routed.probs_TE, global_load_E, global_choices)
+        else:
+            balance = losses.balance_loss(routed.probs_TE, plan.load_E, routed.topk_idx_TK.numel())
         # Weight 1 (the default) returns the loss itself: torch.compile (torch 2.14's inductor) failed
         # in backward when a graph returned both `1.0 * balance` and `balance.detach()`.
         aux_loss = balance if self.balance_loss_weight == 1.0 else self.balance_loss_weight * balance
@@ -193,6 +216,17 @@ class MoELayer(nn.Module):
                 z_loss_value=None if z is None else z.detach(),
             )
         return y_TD.view(x.shape[:-1] + (y_TD.size(-1),))
+
+    def _global_load(self, load_E: torch.Tensor, choices: int) -> tuple[torch.Tensor | None, int]:
+        """global_batch: the choices per expert and their number, summed over the ranks of
+        balance_group (one all-reduce of E + 1 counts on the tokens' device: no host sync)."""
+        if self.balance_loss != "global_batch":
+            return None, choices
+        if not (dist.is_available() and dist.is_initialized()):
+            return load_E, choices
+        counts = torch.cat([load_E, load_E.new_full((1,), choices)])
+        dist.all_reduce(counts, group=self.balance_group)
+        return counts[:-1], counts[-1]
 
     def run_experts(self, buf_RD: torch.Tensor, plan: RoutingPlan, adaptive_r: int | None = None,
                     a2a_ffn_overlap_degree: int | None = None) -> torch.Tensor:
