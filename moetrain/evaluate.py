@@ -125,8 +125,8 @@ def evaluate_run(run: Run, data: dict | None = None, quant: str | QuantPolicy | 
         counts = None
         if policy.needs_calibration:
             if calibration_batches <= 0:
-                raise RunError(f"the quantization policy gives the most used experts {policy.hot_format}: measure "
-                               "their use with calibration_batches > 0")
+                raise RunError(f"hot_format={policy.hot_format} goes to the most used experts: measure their use "
+                               "with calibration_batches > 0 (training batches of the evaluated data)")
             device = next(model.parameters()).device
             loader = DataLoader(module.train_set, batch_size=module.batch_size)
             counts = calibrate(model, islice(loader, calibration_batches),
