@@ -61,6 +61,18 @@ class NonFinite(Enum):
     skip = "skip"  # drop that step's update and go on
 
 
+class BalanceLoss(Enum):
+    micro_batch = "micro_batch"  # f_e counted over this process's tokens of the call
+    global_batch = "global_batch"  # f_e counted over every rank's tokens (Qwen3, Megatron)
+    sequence = "sequence"  # per sequence, averaged (DeepSeek-V3's sequence-wise loss)
+
+
+class ActivationCheckpointing(Enum):
+    none = "none"  # keep every activation
+    selective = "selective"  # recompute attention and the experts' hidden activations (never the routing)
+    full = "full"  # recompute each transformer block (the routing plan is replayed)
+
+
 class OptimizerName(Enum):
     adamw = "adamw"
     sgd = "sgd"
@@ -88,6 +100,7 @@ class GateConfig:
     top_k: int = 2
     capacity_factor: float = 1.0  # expert capacity = top_k * int(factor * ceil(tokens / experts)); 0 = dropless
     balance_loss_weight: float = 0.01  # weight of the load-balancing loss added to the training loss
+    balance_loss: BalanceLoss = BalanceLoss.micro_batch  # over which tokens the loss counts f_e
     z_loss_weight: float = 0.0  # weight of the router z-loss (ST-MoE)
     batch_prioritized: bool = False  # under a capacity limit, keep the highest-scoring tokens first
     impl: Impl = Impl.kernel
@@ -109,6 +122,8 @@ class GateConfig:
 class ParallelStrategy(Enum):
     data = "data"  # every rank holds every expert; all gradients averaged over ranks
     expert = "expert"  # experts sharded over ranks, tokens exchanged by all-to-all
+    fsdp = "fsdp"  # every parameter sharded over all ranks (FSDP2), experts included
+    fsdp_expert = "fsdp_expert"  # experts placed by expert parallelism, the rest sharded by FSDP2
 
 
 @dataclass
@@ -121,6 +136,8 @@ class ParallelConfig:
     a2a_ffn_overlap_degree: int = 1  # chunks that overlap the all-to-all with expert compute (GPUs)
     zero: bool = False  # ZeRO-1: shard the optimizer state of shared (non-expert) parameters
     backend: Optional[str] = None  # nccl | gloo; null: NCCL on GPUs, Gloo on CPUs
+    mixed_precision: bool = False  # fsdp: bf16 parameters in compute, fp32 master weights and reductions
+    cpu_offload: bool = False  # fsdp: parameters, gradients and optimizer state wait on the CPU
     # Seconds a collective waits for the other ranks before it fails (a frozen rank then stops the
     # job with a message naming it instead of hanging it); a checkpoint save must fit in it too.
     timeout_s: float = 300.0
@@ -155,6 +172,8 @@ class TrainerConfig:
     # torch.compile the model before training: faster steps on GPUs; on a CPU it works but the
     # first step compiles for a long time. Checkpoints keep the plain model's parameter names.
     compile: bool = False
+    activation_checkpointing: ActivationCheckpointing = ActivationCheckpointing.none
+    async_checkpoint: bool = False  # multi-process: write sharded checkpoints while training goes on
 
 
 @dataclass
@@ -221,6 +240,7 @@ def moe_kwargs(gate: GateConfig) -> dict:
         "top_k": gate.top_k,
         "capacity_factor": gate.capacity_factor,
         "balance_loss_weight": gate.balance_loss_weight,
+        "balance_loss": gate.balance_loss.value,
         "z_loss_weight": gate.z_loss_weight,
         "batch_prioritized": gate.batch_prioritized,
         "impl": gate.impl.value,
@@ -295,7 +315,12 @@ def validate(cfg: Config) -> None:
     _require(parallel.backend in (None, "nccl", "gloo"), f"parallel.backend must be nccl, gloo or null (by device), got {parallel.backend}")
     _require(parallel.timeout_s > 0, f"parallel.timeout_s must be > 0 seconds, got {parallel.timeout_s}")
     ranks = parallel.nproc_per_node
-    if parallel.strategy == ParallelStrategy.expert and ranks > 1 and isinstance(num_experts, int):
+    fsdp = parallel.strategy in (ParallelStrategy.fsdp, ParallelStrategy.fsdp_expert)
+    for key in ("mixed_precision", "cpu_offload"):
+        _require(fsdp or not getattr(parallel, key),
+                 f"parallel.{key} applies to parallel.strategy=fsdp|fsdp_expert, not {parallel.strategy.value}")
+    expert_placed = parallel.strategy in (ParallelStrategy.expert, ParallelStrategy.fsdp_expert)
+    if expert_placed and ranks > 1 and isinstance(num_experts, int):
         _require(
             num_experts % ranks == 0 if num_experts >= ranks else ranks % num_experts == 0,
             f"model.num_experts={num_experts} cannot be sharded over parallel.nproc_per_node={ranks}: use a "
