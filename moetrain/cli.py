@@ -23,6 +23,7 @@ import inspect
 import logging
 import os
 import re
+import shutil
 import signal
 import sys
 import threading
@@ -60,7 +61,7 @@ from moetrain.ops import ExtensionUnavailable
 from moetrain.parallel.launch import WorkerFailed, WorkersTerminated, choose_backend, init_from_torchrun, spawn
 from moetrain.parallel.training import Distributed
 from moetrain.train import NonFiniteLoss, Trainer, checkpoint, resolve_device, seed_everything
-from moetrain.train.lock import RunDirectoryBusy, lock_run_directory
+from moetrain.train.lock import LOCK_NAME, RunDirectoryBusy, lock_run_directory, unlock_run_directory
 from moetrain.train.quantized import evaluate_quantized
 from moetrain.train.trainer import Terminated
 
@@ -453,12 +454,44 @@ def _train_reporting(cfg: DictConfig, run_dir: Path, distributed: bool, report: 
         sys.exit(code)
 
 
+# The folders this command makes for its run directory (the run directory first, then each missing
+# parent), found before Hydra makes them: a run refused before it trained removes them again.
+_MADE_FOR_THE_RUN: list[Path] = []
+
+
+def _remember_made_folders(run_dir: Path) -> None:
+    folder = run_dir.absolute()
+    _MADE_FOR_THE_RUN.clear()
+    while not folder.exists():
+        _MADE_FOR_THE_RUN.append(folder)
+        folder = folder.parent
+
+
+def _remove_unused_run_directory(run_dir: Path) -> None:
+    """A run refused before it trained (a model that cannot be built, a checkpoint of another model)
+    leaves no directory behind: the folders this command made go, when they hold only what Hydra
+    and the lock wrote."""
+    made = list(_MADE_FOR_THE_RUN)
+    if not made or os.path.realpath(made[0]) != os.path.realpath(run_dir) or not Path(run_dir).is_dir():
+        return
+    if any(entry.name not in (".hydra", "moetrain.log", LOCK_NAME) for entry in Path(run_dir).iterdir()):
+        return
+    unlock_run_directory(run_dir)
+    shutil.rmtree(run_dir, ignore_errors=True)
+    for folder in made[1:]:
+        try:
+            folder.rmdir()  # only while empty: another run may have made its own directory there since
+        except OSError:
+            break
+
+
 class RunDirectoryLock(Callback):
     """conf/config.yaml's hydra.callbacks: a second run in a run directory is refused in one line
     before Hydra writes anything there (Hydra calls this before making the directory)."""
 
     def on_run_start(self, config: DictConfig, **kwargs) -> None:
         if int(os.environ.get("RANK", "0")) == 0:  # under torchrun, rank 0 holds it for the job
+            _remember_made_folders(Path(str(config.hydra.run.dir)))
             try:
                 lock_run_directory(Path(str(config.hydra.run.dir)))
             except RunDirectoryBusy as error:
@@ -551,11 +584,16 @@ def _launch(cfg: DictConfig, run_dir: Path) -> None:
 def _task(cfg: DictConfig) -> None:
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     try:
-        _launch(cfg, run_dir)
-    except ConfigError as error:
-        _fail(str(error), EXIT_CONFIG_ERROR)
-    except KeyboardInterrupt:
-        _fail(f"interrupted; continue from the last checkpoint with: {_resume_command(run_dir)}", EXIT_INTERRUPTED)
+        try:
+            _launch(cfg, run_dir)
+        except ConfigError as error:
+            _fail(str(error), EXIT_CONFIG_ERROR)
+        except KeyboardInterrupt:
+            _fail(f"interrupted; continue from the last checkpoint with: {_resume_command(run_dir)}", EXIT_INTERRUPTED)
+    except SystemExit as exit_request:
+        if exit_request.code == EXIT_CONFIG_ERROR:
+            _remove_unused_run_directory(run_dir)
+        raise
 
 
 def _main() -> None:

@@ -168,6 +168,12 @@ CASES = {
     "batch_size 0": Case(lambda t: [*QUICK, "data.batch_size=0"], ["data.batch_size must be an integer >= 1, got 0"]),
     "num_experts 0": Case(lambda t: [*QUICK, "model.num_experts=0"], ["model.num_experts must be >= 1, got 0"],
                           forbidden=["top_k"]),
+    "model that cannot be built": Case(lambda t: [*QUICK, "model.dim=17", "hydra.run.dir=new/folders/run"],
+                                       ["model (moetrain.models.VisionMoE): dim (17) must be divisible by num_heads"],
+                                       check=nothing_at("new")),
+    "model that cannot be built, 2 workers": Case(
+        lambda t: [*QUICK, "model.dim=17", "parallel=data", "parallel.nproc_per_node=2"],
+        ["model (moetrain.models.VisionMoE): dim (17) must be divisible by num_heads"]),
     "name of 300 characters": Case(lambda t: [*QUICK, "name=" + "n" * 300],
                                    ["name=", "(300 characters)", "at most 100 letters, digits"]),
     "name with a path": Case(lambda t: [*QUICK, "name=a/b/../../../../tmp/x"],
