@@ -204,3 +204,29 @@ def test_a_killed_worker_ends_moetrain_with_one_line_naming_it_and_the_resume_co
     assert resume.startswith("moetrain +recipe=quickstart ") and resume.endswith(
         f"hydra.run.dir={run_dir} trainer.resume=auto"), resume
     assert not any(alive(pid) for pid in pids)
+
+
+def test_sigterm_to_moetrain_saves_a_checkpoint_on_every_rank_and_says_how_to_continue(tmp_path):
+    run_dir = tmp_path / "run"
+    command = [str(Path(sys.executable).parent / "moetrain"), "+recipe=quickstart", *TINY_RUN, *TINY_SYNTHETIC,
+               "trainer.max_steps=100000", "trainer.eval_every=5", "logger=none", "parallel=data",
+               "parallel.nproc_per_node=2", f"hydra.run.dir={run_dir}"]
+    launcher = subprocess.Popen(command, cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        log = run_dir / "moetrain.log"
+        wait_for(lambda: (log.exists() and "step 5: eval" in log.read_text()) or launcher.poll() is not None, 180,
+                 "the workers did not train")
+        pids = worker_pids(launcher.pid)
+        assert launcher.poll() is None and len(pids) == 2, (pids, launcher.poll())
+        launcher.send_signal(signal.SIGTERM)
+        _, stderr = launcher.communicate(timeout=60)
+    finally:
+        launcher.kill()
+    assert launcher.returncode == 128 + signal.SIGTERM and "Traceback" not in stderr
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("moetrain: error: stopped by SIGTERM at step "), stderr
+    step = int(lines[0].split("at step ")[1].split()[0])
+    assert step >= 5 and f"hydra.run.dir={run_dir} trainer.resume=auto" in lines[0]
+    saved = run_dir / "checkpoints" / f"step_{step:08d}"
+    assert sorted(p.name for p in saved.iterdir()) == ["SHA256SUMS", "rank00000-of-00002.pt", "rank00001-of-00002.pt"]
+    assert not any(alive(pid) for pid in pids)
