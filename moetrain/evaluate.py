@@ -37,6 +37,7 @@ from moetrain.run import Run, RunError, build_data, is_byte_level
 
 IGNORE_INDEX = -100  # the trainer's: targets that are not scored
 PERPLEXITY_LOSS_CAP = 50.0  # exp() of a larger loss overflows to a useless number
+PRECISIONS = ("auto", "bf16", "fp32")  # auto: bf16 autocast on CUDA, fp32 on a CPU (the trainer's rule)
 
 
 @torch.no_grad()
@@ -44,6 +45,8 @@ def evaluate(model: nn.Module, loader, task: str, byte_level: bool = False, max_
              progress: bool = True, precision: str = "auto", desc: str = "eval") -> dict:
     """Metrics of `model` over `loader`'s (inputs, targets) batches (see the module doc); the first
     max_batches only when > 0. The bar advances per batch and shows the running loss."""
+    if precision not in PRECISIONS:
+        raise RunError(f"precision must be one of {'|'.join(PRECISIONS)}, got {precision!r}")
     device = next(model.parameters()).device
     bf16 = precision == "bf16" or (precision == "auto" and device.type == "cuda")
     autocast = (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if bf16 else nullcontext
