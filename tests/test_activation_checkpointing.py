@@ -122,3 +122,21 @@ def test_bad_mode_and_model_without_blocks_are_refused():
         set_activation_checkpointing(model, "partial")
     with pytest.raises(ValueError, match="full recomputes transformer blocks and this model has none"):
         set_activation_checkpointing(moe_layers(model)[0], "full")
+
+
+@pytest.mark.parametrize("mode", ["selective", "full"])
+def test_trainer_setting_trains_bit_identically(tmp_path, mode):
+    """trainer.activation_checkpointing through the Trainer: the ViT of test_resume (jitter, dropout)."""
+    from test_resume import tiny_trainer
+
+    from moetrain.config import ActivationCheckpointing
+
+    for name in ("none", mode):
+        (tmp_path / name).mkdir()
+    plain = tiny_trainer(tmp_path / "none", max_steps=3)
+    plain.fit()
+    recomputed = tiny_trainer(tmp_path / mode, max_steps=3, activation_checkpointing=ActivationCheckpointing(mode))
+    assert all(block.activation_checkpointing == mode for block in recomputed.model.blocks)
+    recomputed.fit()
+    assert recomputed.metrics["train/loss"] == plain.metrics["train/loss"]
+    assert_identical(recomputed.model.state_dict(), plain.model.state_dict(), mode)

@@ -38,6 +38,7 @@ from moetrain.config import ConfigError, Device, LoggerConfig, NonFinite, OptimC
 from moetrain.data import DataModule
 from moetrain.models.throughput import training_throughput
 from moetrain.moe import MoELayer, update_router_biases
+from moetrain.moe.recompute import set_activation_checkpointing
 from moetrain.train import checkpoint
 from moetrain.train.metrics import TensorBoard, append_metrics, flatten, load_postfix
 from moetrain.train.optim import build_scheduler
@@ -106,6 +107,10 @@ class Trainer:
             (lambda: torch.autocast(self.device.type, dtype=torch.bfloat16)) if bf16 else nullcontext
         )
         self.model = model.to(self.device)
+        try:
+            set_activation_checkpointing(self.model, trainer.activation_checkpointing.value)
+        except ValueError as error:
+            raise ConfigError(f"trainer.activation_checkpointing: {error}") from None
         # Training and evaluation call the compiled wrapper; checkpoints read self.model, so their
         # keys stay the plain module's (no "_orig_mod." prefix).
         self.forward = torch.compile(self.model) if trainer.compile else self.model
