@@ -304,6 +304,9 @@ def check_output_dir(path: Path, key: str) -> None:
                           f"set {key}=A/WRITABLE/FOLDER") from None
     if not existing.is_dir():
         raise ConfigError(f"cannot make the run directory {path}: {existing} is a file: set {key}=A/FOLDER/PATH")
+    if not usable and existing == path:
+        raise ConfigError(f"the run directory {path} is not writable: make it writable (chmod u+w), or set "
+                          f"{key}=A/WRITABLE/FOLDER")
     if not usable:
         where = "the current directory" if existing.resolve() == Path.cwd().resolve() else "the folder"
         raise ConfigError(
@@ -419,8 +422,8 @@ def _file_system_error(error: OSError, run_dir: Path) -> str:
     where = f" {error.filename}" if error.filename else ""
     saved = [p.name for p in checkpoint.checkpoints(Path(run_dir) / checkpoint.CHECKPOINT_DIR)]
     kept = f"checkpoints saved before are intact ({', '.join(saved)})" if saved else "no checkpoint was saved yet"
-    return (f"cannot access{where}: {error.strerror or error}: free space or fix the permissions; {kept}; "
-            f"continue with: {_resume_command(run_dir)}")
+    return (f"cannot write{where}: {error.strerror or error}: free space, fix the permissions or move what is in "
+            f"the way; {kept}; continue with: {_resume_command(run_dir)}")
 
 
 REPORTED = (ExtensionUnavailable, ConfigError, NonFiniteLoss, Terminated, OSError)

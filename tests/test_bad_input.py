@@ -190,6 +190,15 @@ CASES = {
                                                             "hydra.run.dir="],
                                          prepare=lambda t: locked(t / "here"), unprivileged=True,
                                          check=nothing_at("here/runs")),
+    "read-only run directory": Case(lambda t: [*QUICK, "hydra.run.dir=run", "trainer.resume=auto"],
+                                    ["the run directory run is not writable", "chmod"],
+                                    prepare=lambda t: (first_run(t), locked(t / "run"))[0], unprivileged=True,
+                                    check=run_untouched),
+    "metrics.json cannot be written": Case(
+        lambda t: [*QUICK, "trainer.checkpoint_every=2", "hydra.run.dir=run"],
+        ["cannot write", "run/metrics.json: Is a directory", "checkpoints saved before are intact "
+         "(step_00000002.pt, step_00000003.pt)", "trainer.resume=auto"],
+        prepare=lambda t: ((t / "run" / "metrics.json").mkdir(parents=True), t)[1], no_run_directory=False),
     "unreadable trainer.resume": Case(lambda t: [*QUICK, "trainer.resume=run"],
                                       ["trainer.resume=run: cannot read", "Permission denied", "chmod"],
                                       prepare=unreadable_run, unprivileged=True, check=run_untouched),
