@@ -116,6 +116,7 @@ def test_worst_imbalance_names_the_worst_layer():
 
 
 def test_metrics_lines_keep_the_prefix_and_write_null_for_non_finite(tmp_path):
+    tmp_path = tmp_path / "new_run"  # made by the first line, as the trainer's first log may come before any checkpoint
     append_metrics(tmp_path, 3, {"train/loss": 1.5, "eval/loss": 2.0, "train/grad_norm": math.inf})
     append_metrics(tmp_path, 4, {"eval/loss": math.nan, "train/loss": 0.5}, "eval/")
     lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]  # strict JSON

@@ -55,6 +55,7 @@ def append_metrics(run_dir: Path, step: int, metrics: dict, prefix: str = "") ->
         if key.startswith(prefix):
             value = float(value)
             line[key] = value if math.isfinite(value) else None
+    Path(run_dir).mkdir(parents=True, exist_ok=True)  # as the TensorBoard writer and checkpoints make it
     with open(Path(run_dir) / METRICS_FILE, "a") as file:
         file.write(json.dumps(line) + "\n")
 
