@@ -266,7 +266,7 @@ def check_command_line(overrides: list[str], multirun: bool, config_dir: str | N
         for run in runs:
             try:
                 cfg = hydra.compose(config_name=CONFIG_NAME, overrides=list(run), return_hydra_config=True)
-                output_dir = OmegaConf.select(cfg, "hydra.sweep.dir" if multirun else "hydra.run.dir")
+                output_dir = _output_dir(cfg, multirun)
                 with open_dict(cfg):
                     del cfg["hydra"]
                 config = checked(cfg)
@@ -276,7 +276,8 @@ def check_command_line(overrides: list[str], multirun: bool, config_dir: str | N
                 raise ConfigError(_explain(error, list(run))) from None
             # The device is checked here, not in checked(): a GPU recipe still composes on a CPU machine.
             resolve_device(config.trainer.device)
-            check_output_dir(Path(output_dir), "hydra.sweep.dir" if multirun else "hydra.run.dir")
+            if output_dir is not None:
+                check_output_dir(Path(output_dir), "hydra.sweep.dir" if multirun else "hydra.run.dir")
             check_resume_path(config.trainer.resume)
             key = _data_key(config)
             if build_data and key not in built:
@@ -284,6 +285,15 @@ def check_command_line(overrides: list[str], multirun: bool, config_dir: str | N
                 data = _build_data(config)
                 if not multirun:  # the run itself uses it (a sweep's jobs build their own)
                     _PREBUILT_DATA[key] = data
+
+
+def _output_dir(cfg: DictConfig, multirun: bool) -> str | None:
+    """Where Hydra will make the run (or sweep) directory; None when only Hydra's own resolvers,
+    set up as the run starts (${hydra:...}), can say."""
+    try:
+        return OmegaConf.select(cfg, "hydra.sweep.dir" if multirun else "hydra.run.dir")
+    except OmegaConfBaseException:
+        return None
 
 
 def check_output_dir(path: Path, key: str) -> None:
@@ -528,9 +538,9 @@ def _spawned_worker(rank: int, world_size: int, cfg: DictConfig, run_dir: Path) 
 def _report_worker_failure(failure: WorkerFailed, run_dir: Path, timeout_s: float) -> typing.NoReturn:
     """One line for the worker that failed first; the others have been stopped."""
     failed = failure.failed
-    if failed.error is not None and not failed.communication_error:
-        if isinstance(failed.error, REPORTED):
-            _fail(*_error_line(failed.error, run_dir))
+    if isinstance(failed.error, REPORTED):
+        _fail(*_error_line(failed.error, run_dir))
+    if failed.traceback and not failed.communication_error and not isinstance(failed.error, KeyboardInterrupt):
         sys.stderr.write(failed.traceback)  # a bug: its traceback, then the one line
     _remove_partial_checkpoints(run_dir)
     waited = f" (the others waited parallel.timeout_s={timeout_s:g} s for it)" if failed.stopped else ""
