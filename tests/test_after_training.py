@@ -44,7 +44,7 @@ LM_RUN = ["data.seq_len=16", "data.batch_size=4", "data.eval_batch_size=4", "tra
           "trainer.progress_bar=false", "logger=none"]
 SYNTHETIC_LM = ["data.train_size=32", "data.eval_size=8"]
 DOCUMENTS = ["Le café était chaud et la crème fraîche. ", "naïve façade, déjà vu; 日本語のテキスト. ",
-             "plain ascii text about mixtures of experts and routers. ", "ünïcödé everywhere: ½ ¾ € £ ¥. "] * 3
+             "plain ascii text about mixtures of experts and routers. ", "ünïcödé: ½ ¾ € £ ¥. "] * 3
 
 
 def train(run_dir: Path, *overrides: str) -> Path:

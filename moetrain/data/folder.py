@@ -53,8 +53,8 @@ def _scan(root: str, key: str):
     try:
         folder = datasets.ImageFolder(root)
     except FileNotFoundError as error:  # no class subfolder, or a class without any image file
-        raise ValueError(f"{key}={root}: {' '.join(str(error).split()).rstrip('.')}; the layout is {key}/CLASS_NAME/IMAGE "
-                         "(.png, .jpg, ...)") from None
+        problem = " ".join(str(error).split()).rstrip(".")
+        raise ValueError(f"{key}={root}: {problem}; the layout is {key}/CLASS_NAME/IMAGE (.png, .jpg, ...)") from None
     return folder.classes, folder.samples
 
 
