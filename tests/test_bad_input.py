@@ -42,15 +42,24 @@ def moetrain(args: list[str], cwd: Path, prefix: list[str] = ()) -> subprocess.C
 
 
 @dataclass
+class Sources:
+    cifar10_root: Path
+    mnist_root: Path
+    finished_run: Path | None  # a finished 2-step run with its checkpoint at step 2 (when the case needs it)
+
+
+@dataclass
 class Case:
-    """args(tmp) -> the command line; prepare(tmp) sets the scene and returns the working
-    directory; every string of `says` must be in the one line; check(tmp) looks at what is left."""
+    """args(tmp) -> the command line; prepare(tmp, sources) sets the scene (sources: the fabricated
+    data sets and a finished run to copy) and returns the working directory; every string of `says`
+    must be in the one line; check(tmp) looks at what is left."""
 
     args: Callable[[Path], list[str]]
     says: list[str]
-    prepare: Callable[[Path], Path] = lambda tmp: tmp
+    prepare: Callable[[Path, Sources], Path] = lambda tmp, sources: tmp
     check: Callable[[Path], None] = lambda tmp: None
     unprivileged: bool = False
+    needs_run: bool = False  # prepare copies the finished run
     no_run_directory: bool = True  # nothing under runs/ (the default place of run directories)
     forbidden: list[str] = field(default_factory=list)  # strings the line must not hold
 
@@ -67,7 +76,7 @@ def token_file(tmp: Path, ids: np.ndarray) -> Path:
     return tmp
 
 
-def text_corpus(tmp: Path) -> Path:
+def text_corpus(tmp: Path, sources: Sources) -> Path:
     """A directory of three documents; b.txt is Latin-1, not UTF-8, from its line 7 on."""
     corpus = tmp / "corpus"
     corpus.mkdir()
@@ -81,18 +90,18 @@ BROKEN_JSON = '{"text": "abcd", "n": }'  # a value missing where "}" stands
 BROKEN_COLUMN = BROKEN_JSON.index("}") + 1  # 1-based, as JSON parsers count columns
 
 
-def jsonl_corpus(tmp: Path) -> Path:
+def jsonl_corpus(tmp: Path, sources: Sources) -> Path:
     """200 good lines, then one whose JSON breaks at BROKEN_COLUMN."""
     lines = [json.dumps({"text": f"document number {i}"}) for i in range(200)] + [BROKEN_JSON]
     (tmp / "docs.jsonl").write_text("\n".join(lines) + "\n")
     return tmp
 
 
-def damaged_cifar(tmp: Path, source: Path) -> Path:
+def damaged_cifar(tmp: Path, sources: Sources) -> Path:
     """A copy of the fabricated CIFAR-10 with label 12 (of 10 classes) in data_batch_3."""
     import pickle
 
-    shutil.copytree(source, tmp / "cifar")
+    shutil.copytree(sources.cifar10_root, tmp / "cifar")
     path = tmp / "cifar" / "cifar-10-batches-py" / "data_batch_3"
     batch = pickle.loads(path.read_bytes())
     batch["labels"][5] = 12
@@ -100,35 +109,33 @@ def damaged_cifar(tmp: Path, source: Path) -> Path:
     return tmp
 
 
-def garbage_mnist(tmp: Path, source: Path) -> Path:
-    shutil.copytree(source, tmp / "mnist")
+def garbage_mnist(tmp: Path, sources: Sources) -> Path:
+    shutil.copytree(sources.mnist_root, tmp / "mnist")
     path = tmp / "mnist" / "MNIST" / "raw" / "train-images-idx3-ubyte"
     path.write_bytes(np.random.default_rng(3).integers(0, 256, 5000, dtype=np.uint8).tobytes())
     return tmp
 
 
-def first_run(tmp: Path, *extra: str) -> Path:
-    """A finished 2-step run with its checkpoint at step 2, in tmp/run."""
-    result = moetrain([*QUICK, "trainer.max_steps=2", "trainer.checkpoint_every=2", "hydra.run.dir=run", *extra], tmp)
-    assert result.returncode == 0, result.stderr
+def copy_of_run(tmp: Path, sources: Sources) -> Path:
+    shutil.copytree(sources.finished_run, tmp / "run")
     return tmp
 
 
-def unreadable_run(tmp: Path) -> Path:
-    first_run(tmp)
+def unreadable_run(tmp: Path, sources: Sources) -> Path:
+    copy_of_run(tmp, sources)
     locked(tmp / "run" / "checkpoints", 0o000)
     return tmp
 
 
-def read_only_checkpoints(tmp: Path) -> Path:
-    first_run(tmp)
+def read_only_checkpoints(tmp: Path, sources: Sources) -> Path:
+    copy_of_run(tmp, sources)
     locked(tmp / "run" / "checkpoints")
     return tmp
 
 
-def disk_full_at_step_4(tmp: Path) -> Path:
+def disk_full_at_step_4(tmp: Path, sources: Sources) -> Path:
     """Step 4's checkpoint is written to /dev/full (every write: ENOSPC), as on a full disk."""
-    first_run(tmp)
+    copy_of_run(tmp, sources)
     (tmp / "run" / "checkpoints" / "step_00000004.pt.tmp").symlink_to("/dev/full")
     return tmp
 
@@ -184,33 +191,33 @@ CASES = {
                                            ["optim.lr", "refers back to itself"]),
     "unwritable hydra.run.dir": Case(lambda t: [*QUICK, f"hydra.run.dir={t / 'locked' / 'run'}"],
                                      ["cannot make the run directory", "is not writable", "hydra.run.dir="],
-                                     prepare=lambda t: (locked(t / "locked"), t)[1], unprivileged=True,
+                                     prepare=lambda t, sources: (locked(t / "locked"), t)[1], unprivileged=True,
                                      check=nothing_at("locked/run")),
     "unwritable current directory": Case(lambda t: QUICK, ["the current directory", "is not writable",
                                                             "hydra.run.dir="],
-                                         prepare=lambda t: locked(t / "here"), unprivileged=True,
+                                         prepare=lambda t, sources: locked(t / "here"), unprivileged=True,
                                          check=nothing_at("here/runs")),
     "read-only run directory": Case(lambda t: [*QUICK, "hydra.run.dir=run", "trainer.resume=auto"],
                                     ["the run directory run is not writable", "chmod"],
-                                    prepare=lambda t: (first_run(t), locked(t / "run"))[0], unprivileged=True,
-                                    check=run_untouched),
+                                    prepare=lambda t, sources: (copy_of_run(t, sources), locked(t / "run"))[0],
+                                    unprivileged=True, needs_run=True, check=run_untouched),
     "metrics.json cannot be written": Case(
         lambda t: [*QUICK, "trainer.checkpoint_every=2", "hydra.run.dir=run"],
         ["cannot write", "run/metrics.json: Is a directory", "checkpoints saved before are intact "
          "(step_00000002.pt, step_00000003.pt)", "trainer.resume=auto"],
-        prepare=lambda t: ((t / "run" / "metrics.json").mkdir(parents=True), t)[1], no_run_directory=False),
+        prepare=lambda t, sources: ((t / "run" / "metrics.json").mkdir(parents=True), t)[1], no_run_directory=False),
     "unreadable trainer.resume": Case(lambda t: [*QUICK, "trainer.resume=run"],
                                       ["trainer.resume=run: cannot read", "Permission denied", "chmod"],
-                                      prepare=unreadable_run, unprivileged=True, check=run_untouched),
+                                      prepare=unreadable_run, unprivileged=True, needs_run=True, check=run_untouched),
     "missing trainer.resume": Case(lambda t: [*QUICK, "trainer.resume=nowhere"],
                                    ["trainer.resume=nowhere does not exist"]),
     "negative token ids": Case(lambda t: ["data=text", f"data.path={t / 'tokens.npy'}", "data.vocab_size=100"],
                                ["tokens.npy: token id -3 is negative"],
-                               prepare=lambda t: token_file(t, np.array([5, 7, -3, 2] * 200, dtype=np.int32))),
+                               prepare=lambda t, sources: token_file(t, np.array([5, 7, -3, 2] * 200, dtype=np.int32))),
     "token ids past the vocabulary": Case(
         lambda t: ["data=text", f"data.path={t / 'tokens.npy'}", "data.vocab_size=100"],
         ["tokens.npy: token id 140", ">= data.vocab_size=100", "at least 141"],
-        prepare=lambda t: token_file(t, np.array([5, 7, 140, 2] * 200, dtype=np.uint16))),
+        prepare=lambda t, sources: token_file(t, np.array([5, 7, 140, 2] * 200, dtype=np.uint16))),
     "text file not UTF-8": Case(lambda t: ["data=text", f"data.path={t / 'corpus'}"],
                                 ["corpus/b.txt:7: not UTF-8", "convert the file to UTF-8"], prepare=text_corpus),
     "jsonl line 201": Case(lambda t: ["data=text", f"data.path={t / 'docs.jsonl'}"],
@@ -222,33 +229,43 @@ CASES = {
     "CIFAR-10 labels outside the classes": Case(
         lambda t: ["+recipe=switch_cifar10", f"data.root={t / 'cifar'}", "data.download=false",
                    "data.verify_checksums=false"],
-        ["cifar-10-batches-py/data_batch_3 has 1 labels outside the 10 classes 0..9 (the first: 12 of image 5)"]),
+        ["cifar-10-batches-py/data_batch_3 has 1 labels outside the 10 classes 0..9 (the first: 12 of image 5)"],
+        prepare=damaged_cifar),
     "MNIST of garbage": Case(
         lambda t: ["+recipe=switch_mnist", f"data.root={t / 'mnist'}", "data.download=false",
                    "data.verify_checksums=false"],
-        ["MNIST/raw/train-images-idx3-ubyte starts with bytes", "not the idx magic", "download again"]),
+        ["MNIST/raw/train-images-idx3-ubyte starts with bytes", "not the idx magic", "download again"],
+        prepare=garbage_mnist),
     "disk full while saving": Case(
         lambda t: [*QUICK, "trainer.max_steps=4", "trainer.checkpoint_every=2", "hydra.run.dir=run",
                    "trainer.resume=auto"],
         ["step_00000004.pt", "No space left on device", "untouched", "trainer.resume=auto"],
-        prepare=disk_full_at_step_4, check=step_2_survives, no_run_directory=False),
+        prepare=disk_full_at_step_4, check=step_2_survives, needs_run=True, no_run_directory=False),
     "read-only checkpoint folder while saving": Case(
         lambda t: [*QUICK, "trainer.max_steps=4", "trainer.checkpoint_every=2", "hydra.run.dir=run",
                    "trainer.resume=auto"],
         ["step_00000004.pt", "Permission denied", "untouched", "trainer.resume=auto"],
-        prepare=read_only_checkpoints, check=step_2_survives, unprivileged=True, no_run_directory=False),
+        prepare=read_only_checkpoints, check=step_2_survives, unprivileged=True, needs_run=True,
+        no_run_directory=False),
 }
 
 
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory) -> Path:
+    """A finished 2-step run with its checkpoint at step 2 (each case that needs one gets a copy)."""
+    folder = tmp_path_factory.mktemp("finished")
+    result = moetrain([*QUICK, "trainer.max_steps=2", "trainer.checkpoint_every=2", "hydra.run.dir=run"], folder)
+    assert result.returncode == 0, result.stderr
+    return folder / "run"
+
+
 @pytest.mark.parametrize("name", list(CASES))
-def test_bad_input_is_one_line_and_exit_2(name, tmp_path, cifar10_root, mnist_root):
+def test_bad_input_is_one_line_and_exit_2(name, tmp_path, request, cifar10_root, mnist_root):
     case = CASES[name]
-    if "CIFAR-10 labels" in name:
-        damaged_cifar(tmp_path, cifar10_root)
-    if "MNIST" in name:
-        garbage_mnist(tmp_path, mnist_root)
+    finished = request.getfixturevalue("finished_run") if case.needs_run else None
+    sources = Sources(cifar10_root, mnist_root, finished)
     prefix = unprivileged() if case.unprivileged else []
-    cwd = case.prepare(tmp_path)
+    cwd = case.prepare(tmp_path, sources)
     try:
         result = moetrain(case.args(tmp_path), cwd, prefix)
     finally:

@@ -32,29 +32,22 @@ SLACK_S = 10.0
 
 
 def worker(rank: int, world_size: int, out_dir: str) -> None:
-    """Steps of one all-reduce each, until SIGTERM reaches any rank: then every rank stops after the
-    same step (the flag rides along in the all-reduce, as the trainer's does) and says which."""
+    """Steps of one all-reduce each, for ever (moetrain's own workers are tested through the command,
+    below)."""
     out = Path(out_dir)
-    stop_requested = []
-    signal.signal(signal.SIGTERM, lambda signum, frame: stop_requested.append(True))
     (out / f"pid{rank}").write_text(str(os.getpid()))
-    step = 0
+    flag = torch.zeros(1)
+    dist.all_reduce(flag)
+    (out / f"running{rank}").touch()  # past the first collective
     while True:
-        flag = torch.tensor([float(bool(stop_requested))])
         dist.all_reduce(flag)
-        step += 1
-        if step == 1:
-            (out / f"running{rank}").touch()
-        if flag.item() > 0:
-            (out / f"stopped{rank}").write_text(str(step))
-            return
         time.sleep(0.01)
 
 
 # The launcher: spawn() in its own process, which prints how the workers ended as one JSON line.
 LAUNCHER = textwrap.dedent("""
     import json, sys
-    from moetrain.parallel.launch import WorkerFailed, WorkersTerminated, spawn
+    from moetrain.parallel.launch import WorkerFailed, spawn
     import test_faults
 
     if __name__ == "__main__":
@@ -65,8 +58,6 @@ LAUNCHER = textwrap.dedent("""
         except WorkerFailed as failure:
             outcome.update(ended="failed", rank=failure.failed.rank, stopped=failure.failed.stopped,
                            description=failure.failed.describe(), exitcodes=[w.exitcode for w in failure.exits])
-        except WorkersTerminated as stopped:
-            outcome.update(ended="terminated", exitcodes=[w.exitcode for w in stopped.exits])
         print(json.dumps(outcome))
 """)
 
@@ -110,20 +101,6 @@ def outcome(launcher: subprocess.Popen, seconds: float) -> dict:
     return json.loads(stdout.strip().splitlines()[-1])
 
 
-def test_a_killed_worker_stops_the_other_at_once_and_is_named(tmp_path):
-    # A long collective timeout: the survivor must not wait for it.
-    launcher, pids = start_launcher(tmp_path, timeout_s=120)
-    os.kill(pids[1], signal.SIGKILL)
-    killed_at = time.monotonic()
-    result = outcome(launcher, 60)
-    took = time.monotonic() - killed_at
-    assert result["ended"] == "failed" and result["rank"] == 1 and not result["stopped"], result
-    assert result["description"] == f"worker rank 1 (pid {pids[1]}) was killed by SIGKILL"
-    assert result["exitcodes"][1] == -signal.SIGKILL and result["exitcodes"][0] != 0
-    assert not alive(pids[0])
-    assert took < launch.SETTLE_S + launch.KILL_GRACE_S + SLACK_S, took
-
-
 def test_a_frozen_worker_is_named_once_the_collective_timeout_passes(tmp_path):
     timeout_s = 3.0
     launcher, pids = start_launcher(tmp_path, timeout_s=timeout_s)
@@ -143,17 +120,6 @@ def test_killing_the_launcher_ends_its_workers(tmp_path):
     launcher.kill()
     launcher.wait()
     wait_for(lambda: not any(alive(pid) for pid in pids), 5, "workers outlived their launcher")
-    assert not list(tmp_path.glob("stopped*"))  # killed, not asked to stop
-
-
-def test_sigterm_to_the_launcher_reaches_every_worker(tmp_path):
-    launcher, pids = start_launcher(tmp_path, timeout_s=120)
-    launcher.send_signal(signal.SIGTERM)
-    result = outcome(launcher, 60)
-    assert result == {"ended": "terminated", "exitcodes": [0, 0]}
-    steps = [int((tmp_path / f"stopped{rank}").read_text()) for rank in range(2)]
-    assert steps[0] == steps[1] >= 1  # both stopped after the same step, as asked
-    assert not any(alive(pid) for pid in pids)
 
 
 def test_timeout_is_checked():
@@ -191,9 +157,13 @@ def test_a_killed_worker_ends_moetrain_with_one_line_naming_it_and_the_resume_co
         assert launcher.poll() is None and len(pids) == 2, (pids, launcher.poll())
         time.sleep(1.0)  # into the training steps
         os.kill(pids[1], signal.SIGKILL)
+        killed_at = time.monotonic()
         _, stderr = launcher.communicate(timeout=60)
+        took = time.monotonic() - killed_at
     finally:
         launcher.kill()
+    # Rank 0 fails at its next collective and is stopped: no waiting for the 120 s timeout.
+    assert took < launch.SETTLE_S + launch.KILL_GRACE_S + SLACK_S, took
     assert launcher.returncode == 1
     assert "Traceback" not in stderr
     lines = stderr.strip().splitlines()
