@@ -169,9 +169,15 @@ class WorkersTerminated(RuntimeError):
 
     def __init__(self, exits: list[WorkerExit]):
         self.exits = exits
-        super().__init__("stopped by SIGTERM: " + "; ".join(
-            f"rank {w.rank} " + (f"by {w.signal_name}" if w.signal_name else
-                                 w.error_text or f"exited with code {w.exitcode}") for w in exits))
+        super().__init__("stopped by SIGTERM: " + "; ".join(f"rank {w.rank} {_ending(w)}" for w in exits))
+
+
+def _ending(worker: WorkerExit) -> str:
+    if worker.signal_name:
+        return f"ended by {worker.signal_name}"
+    if worker.error_text:
+        return f"raised {worker.error_text}"
+    return "ended" if worker.exitcode == 0 else f"exited with code {worker.exitcode}"
 
 
 def _is_stopped(pid: int) -> bool:
@@ -185,7 +191,8 @@ def _is_stopped(pid: int) -> bool:
 
 # ---- the worker side ---------------------------------------------------------------------------------
 def _die_with_parent(parent_pid: int) -> None:
-    """End this worker (SIGKILL) as soon as the launcher dies, however it dies."""
+    """End this worker (SIGKILL) as soon as the launcher dies, however it dies. (Linux sends the
+    signal when the launcher's thread that started the worker ends: spawn from the main thread.)"""
     if sys.platform.startswith("linux"):
         PR_SET_PDEATHSIG = 1
         libc = ctypes.CDLL(None, use_errno=True)
