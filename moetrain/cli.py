@@ -261,6 +261,7 @@ def check_command_line(overrides: list[str], multirun: bool, config_dir: str | N
             runs = BasicSweeper.split_arguments(parsed, None)[0]
         except HydraException:
             runs = []  # a sweep only a sweeper plugin can expand: each job checks its own config
+    _PREBUILT_DATA.clear()  # only this command line's data sets
     with hydra.initialize_config_module(config_module=CONFIG_MODULE, version_base="1.3"):
         built = set()
         for run in runs:
@@ -430,7 +431,8 @@ def _file_system_error(error: OSError, run_dir: Path) -> str:
     """One line for a file that could not be read or written while the run went on."""
     _remove_partial_checkpoints(run_dir)
     where = f" {error.filename}" if error.filename else ""
-    saved = [p.name for p in checkpoint.checkpoints(Path(run_dir) / checkpoint.CHECKPOINT_DIR)]
+    saved = [p.name for p in checkpoint.checkpoints(Path(run_dir) / checkpoint.CHECKPOINT_DIR)
+             if checkpoint.is_complete(p)]
     kept = f"checkpoints saved before are intact ({', '.join(saved)})" if saved else "no checkpoint was saved yet"
     return (f"cannot write{where}: {error.strerror or error}: free space, fix the permissions or move what is in "
             f"the way; {kept}; continue with: {_resume_command(run_dir)}")
