@@ -30,15 +30,17 @@ import logging
 import pydoc
 import random
 import re
+import typing
 from contextlib import contextmanager
 from dataclasses import dataclass
+from enum import Enum
 from pathlib import Path
 
 import numpy as np
 import torch
 from torch import nn
 
-from moetrain.config import ConfigError, GateConfig, GateType, Impl, moe_kwargs
+from moetrain.config import ConfigError, GateConfig, moe_kwargs
 from moetrain.data.base import DataModule
 from moetrain.data.text import SUFFIXES, ByteTokenizer
 from moetrain.train import checkpoint
@@ -133,12 +135,7 @@ def build_model(config: dict, model_inputs: dict) -> nn.Module:
     model_config = config.get("model") or {}
     if "_target_" not in model_config:
         raise RunError("the run's config has no model._target_: this is not a moetrain run's config")
-    gate = dict(config.get("gate") or {})
-    try:
-        gate_config = GateConfig(**{**gate, "type": GateType(gate.get("type", "top")),
-                                    "impl": Impl(gate.get("impl", "kernel"))})
-    except (TypeError, ValueError) as error:
-        raise RunError(f"the run's gate config does not fit this version of moetrain ({_one_line(error)})") from None
+    gate_config = _gate_config(dict(config.get("gate") or {}))
     builder = locate(model_config["_target_"], "model._target_")
     arguments = {key: value for key, value in model_config.items() if not (key.startswith("_") and key.endswith("_"))}
     inputs = {key: value for key, value in model_inputs.items() if key not in arguments}
@@ -148,6 +145,33 @@ def build_model(config: dict, model_inputs: dict) -> nn.Module:
             return builder(**arguments, **inputs, moe_kwargs=moe_kwargs(gate_config))
         except (ValueError, TypeError) as error:
             raise RunError(f"model ({model_config['_target_']}): {_one_line(error)}") from None
+
+
+def _enum_of(hint) -> type[Enum] | None:
+    """The Enum class a schema annotation names (alone or inside Optional), else None."""
+    for candidate in (hint, *typing.get_args(hint)):
+        if isinstance(candidate, type) and issubclass(candidate, Enum):
+            return candidate
+    return None
+
+
+def _gate_config(gate: dict) -> GateConfig:
+    """The saved gate settings (enums saved as their values) as the schema's GateConfig; keys the
+    run did not save take the schema's defaults."""
+    hints = typing.get_type_hints(GateConfig)
+    unknown = sorted(set(gate) - set(hints))
+    if unknown:
+        raise RunError(f"the run's gate config has key(s) {unknown} this version of moetrain does not know: load it "
+                       "with the moetrain version that trained it")
+    values = {}
+    for key, value in gate.items():
+        enum = _enum_of(hints[key])
+        try:
+            values[key] = enum(value) if enum is not None and value is not None else value
+        except ValueError:
+            choices = "|".join(member.value for member in enum)
+            raise RunError(f"the run's gate.{key}={value!r} is not one of {choices}") from None
+    return GateConfig(**values)
 
 
 def _one_line(error: BaseException) -> str:
