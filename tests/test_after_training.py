@@ -36,7 +36,7 @@ from moetrain.models import build_lm, load_hf_checkpoint
 from moetrain.moe import moe_layers
 from moetrain.parallel import checkpoint as shards
 from moetrain.quant import QuantPolicy, quantize_model
-from moetrain.run import Run, RunError, load_run
+from moetrain.run import Run, RunError, build_model, load_run
 from moetrain.train import checkpoint
 
 LM_RUN = ["data.seq_len=16", "data.batch_size=4", "data.eval_batch_size=4", "trainer.max_steps=3",
@@ -151,6 +151,22 @@ def test_a_per_rank_checkpoint_loads_as_the_whole_model(runs, tmp_path):
     assert_weights(run.model, state["model"])
     (run_dir / "checkpoints" / "step_00000004" / "SHA256SUMS").unlink()
     assert load_run(run_dir).checkpoint.name == "step_00000003.pt"  # the incomplete step directory is skipped
+
+
+def test_saved_gate_settings_load_field_by_field(runs):
+    run = load_run(runs["qwen3"])
+    config = copy.deepcopy(run.config)
+    del config["gate"]["z_loss_weight"]  # a key an older run did not save: the schema's default
+    model = build_model(config, run.model_inputs)
+    assert [layer.top_k for layer in moe_layers(model)] == [4, 4, 4]  # the run's, not the preset's or schema's
+    model.load_state_dict(run.model.state_dict())
+    tokens_BT = torch.randint(0, 256, (2, 16))
+    with torch.no_grad():
+        assert torch.equal(model.eval()(tokens_BT), run.model(tokens_BT))
+    with pytest.raises(RunError, match=r"gate.type='nope' is not one of top\|cosine\|sigmoid"):
+        build_model({**config, "gate": {**config["gate"], "type": "nope"}}, run.model_inputs)
+    with pytest.raises(RunError, match="brand_new"):
+        build_model({**config, "gate": {**config["gate"], "brand_new": 1}}, run.model_inputs)
 
 
 # ---- generation ----------------------------------------------------------------------------------
