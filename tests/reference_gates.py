@@ -53,7 +53,9 @@ def _largest(values: list[float], k: int, eligible: list[bool] | None = None) ->
 def linear_logits(x_TD: torch.Tensor, weight_ED: torch.Tensor) -> torch.Tensor:
     """W x for every token, as float64 dot products (the router's logits)."""
     x, w = x_TD.double(), weight_ED.double()
-    return torch.stack([torch.stack([torch.dot(x_D, w_D) for w_D in w]) for x_D in x]) if len(x) else x.new_zeros(0, len(w))
+    if not len(x):
+        return x.new_zeros(0, len(w))
+    return torch.stack([torch.stack([torch.dot(x_D, w_D) for w_D in w]) for x_D in x])
 
 
 def softmax_top_k(logits_TE: torch.Tensor, top_k: int, normalize: bool):
@@ -108,7 +110,8 @@ def cosine_top_k(x_TD, proj_weight_PD, proj_bias_P, expert_dirs_EP, log_scale, t
     dirs = expert_dirs_EP.double()
     rows = []
     for h_P in proj_TP:
-        rows.append([float(torch.dot(h_P, e_P)) / (float(h_P.norm()) * float(e_P.norm())) / temperature for e_P in dirs])
+        cosines = [float(torch.dot(h_P, e_P)) / (float(h_P.norm()) * float(e_P.norm())) for e_P in dirs]
+        rows.append([c / temperature for c in cosines])
     return softmax_top_k(torch.tensor(rows, dtype=torch.float64).reshape(len(rows), len(dirs)), top_k, normalize)
 
 
