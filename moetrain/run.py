@@ -49,7 +49,7 @@ log = logging.getLogger(__name__)
 
 _STEP = re.compile(r"^step_(\d+)(\.pt)?$")
 # The data builder whose text files are read with the byte-level tokenizer (moetrain/data/text.py).
-TEXT_DATA_TARGETS = ("moetrain.data.text.text", "moetrain.data.text")
+TEXT_DATA_TARGET = "moetrain.data.text.text"
 
 
 class RunError(ConfigError):
@@ -82,7 +82,7 @@ class Run:
 
 def is_byte_level(data_config: dict) -> bool:
     """Whether a data config reads text through the byte-level tokenizer (data=text on .txt/.jsonl)."""
-    if data_config.get("_target_") not in TEXT_DATA_TARGETS or not data_config.get("path"):
+    if data_config.get("_target_") != TEXT_DATA_TARGET or not data_config.get("path"):
         return False
     path = Path(data_config["path"]).expanduser()
     files = [path] if path.is_file() else sorted(p for p in path.glob("*") if p.suffix in SUFFIXES)
