@@ -28,13 +28,31 @@ def _gpu_markers(item) -> list[str]:
     return [name for name in GPU_MARKERS if item.get_closest_marker(name) is not None]
 
 
+def _gpu_parameters(item) -> list[str]:
+    """The parameters that put a test on the GPU: a "cuda" device or an "nccl" backend."""
+    params = getattr(getattr(item, "callspec", None), "params", {})
+    return [f"{key}={value}" for key, value in params.items()
+            if (isinstance(value, str) and value in ("cuda", "nccl"))
+            or (isinstance(value, torch.device) and value.type == "cuda")]
+
+
 def pytest_collection_modifyitems(config, items):
     available = torch.cuda.device_count()
     for item in items:
-        for name in _gpu_markers(item):
+        markers = _gpu_markers(item)
+        if not markers and _gpu_parameters(item):
+            item.unmarked_gpu_parameters = _gpu_parameters(item)
+        for name in markers:
             if available < GPU_MARKERS[name]:
                 needs = "a CUDA GPU" if GPU_MARKERS[name] == 1 else f"{GPU_MARKERS[name]} CUDA GPUs"
                 item.add_marker(pytest.mark.skip(reason=f"needs {needs} (marker {name}; {available} visible)"))
+
+
+def pytest_runtest_setup(item):
+    if getattr(item, "unmarked_gpu_parameters", None):
+        pytest.fail(f"{item.nodeid} runs on the GPU ({', '.join(item.unmarked_gpu_parameters)}) but carries no GPU "
+                    f"marker: give that parameter marks=pytest.mark.cuda (or multigpu) so that `{GPU_COMMAND}` "
+                    "selects it", pytrace=False)
 
 
 @pytest.hookimpl(hookwrapper=True)
