@@ -385,6 +385,15 @@ def _peak(result: dict, column: str) -> str:
     return f"{result[column]['peak_gib']:.1f}" if column in result else "-"
 
 
+def _against_bounds(result: dict, ceiling: float) -> str:
+    """The columns both tables share: grouped, gemms, moetrain's fraction of the ceiling and its
+    target, the gemms' fraction, moetrain against grouped and its target."""
+    moetrain, grouped_tflops, gemms = (_tflops(result, c) for c in ("moetrain", "grouped_mm", "gemms_alone"))
+    target_fraction, target_ratio = TARGETS.get(result["shape"]["name"], (float("nan"), float("nan")))
+    return (f"{grouped_tflops:8.0f} {gemms:6.0f}   {moetrain / ceiling:10.0%} {target_fraction:6.0%} "
+            f"{gemms / ceiling:6.0%}   {moetrain / grouped_tflops:9.2f}x {target_ratio:5.2f}x")
+
+
 def gpu_table(results: list[dict], ceiling: float) -> str:
     lines = []
     ffn = [r for r in results if r["shape"].get("expert", "ffn") == "ffn"]
@@ -395,14 +404,10 @@ def gpu_table(results: list[dict], ceiling: float) -> str:
                 f"{'dropless':>8} {'target':>6}   {'peak GiB':>8}")
         lines += [head, "-" * len(head)]
         for r in ffn:
-            name = r["shape"]["name"]
-            moetrain, grouped_tflops, gemms = _tflops(r, "moetrain"), _tflops(r, "grouped_mm"), _tflops(r, "gemms_alone")
-            target_fraction, target_ratio = TARGETS.get(name, (float("nan"), float("nan")))
+            dropless = _tflops(r, "moetrain_dropless")
             lines.append(
-                f"{name:<12} {moetrain:9.0f} {_tflops(r, 'moetrain_dropless'):9.0f} {_tflops(r, 'naive'):7.0f} "
-                f"{grouped_tflops:8.0f} {gemms:6.0f}   {moetrain / ceiling:10.0%} {target_fraction:6.0%} "
-                f"{gemms / ceiling:6.0%}   {moetrain / grouped_tflops:9.2f}x {target_ratio:5.2f}x   "
-                f"{_tflops(r, 'moetrain_dropless') / grouped_tflops:7.2f}x {DROPLESS_TARGET:5.2f}x   "
+                f"{r['shape']['name']:<12} {_tflops(r, 'moetrain'):9.0f} {dropless:9.0f} {_tflops(r, 'naive'):7.0f} "
+                f"{_against_bounds(r, ceiling)}   {dropless / _tflops(r, 'grouped_mm'):7.2f}x {DROPLESS_TARGET:5.2f}x   "
                 f"{_peak(r, 'moetrain'):>8}"
             )
         lines.append("FFN: ReLU experts with biases, capacity factor 1.0 (moetrain) or dropless; the dropless "
@@ -412,14 +417,8 @@ def gpu_table(results: list[dict], ceiling: float) -> str:
                 f"{'gemms':>6}   {'vs grouped':>10} {'target':>6}   {'peak GiB moetrain/grouped':>25}")
         lines += ([""] if lines else []) + [head, "-" * len(head)]
         for r in lm:
-            name = r["shape"]["name"]
-            moetrain, grouped_tflops, gemms = _tflops(r, "moetrain"), _tflops(r, "grouped_mm"), _tflops(r, "gemms_alone")
-            target_fraction, target_ratio = TARGETS.get(name, (float("nan"), float("nan")))
-            lines.append(
-                f"{name:<12} {moetrain:9.0f} {grouped_tflops:8.0f} {gemms:6.0f}   {moetrain / ceiling:10.0%} "
-                f"{target_fraction:6.0%} {gemms / ceiling:6.0%}   {moetrain / grouped_tflops:9.2f}x {target_ratio:5.2f}x   "
-                f"{_peak(r, 'moetrain') + ' / ' + _peak(r, 'grouped_mm'):>25}"
-            )
+            lines.append(f"{r['shape']['name']:<12} {_tflops(r, 'moetrain'):9.0f} {_against_bounds(r, ceiling)}   "
+                         f"{_peak(r, 'moetrain') + ' / ' + _peak(r, 'grouped_mm'):>25}")
         lines.append("LM: dropless bias-free SwiGLU experts, softmax top-k renormalised")
     lines.append(f"useful expert TFLOP/s, forward + backward; dense GEMM ceiling {ceiling:.0f} TFLOP/s; "
                  "gemms = the expert GEMMs alone (the bound)")
