@@ -319,13 +319,17 @@ def spawn(fn, nprocs: int, args: tuple = (), backend: str | None = None,
     context = mp.get_context("spawn")
     port = free_port()
     workers: list[_Running] = []
-    for rank in range(nprocs):
-        reader, writer = context.Pipe(duplex=False)
-        process = context.Process(target=_worker, name=f"moetrain-rank{rank}",
-                                  args=(rank, nprocs, port, backend, timeout_s, os.getpid(), writer, fn, args))
-        process.start()
-        writer.close()
-        workers.append(_Running(WorkerExit(rank, process.pid), process, reader))
+    try:
+        for rank in range(nprocs):
+            reader, writer = context.Pipe(duplex=False)
+            process = context.Process(target=_worker, name=f"moetrain-rank{rank}",
+                                      args=(rank, nprocs, port, backend, timeout_s, os.getpid(), writer, fn, args))
+            process.start()
+            writer.close()
+            workers.append(_Running(WorkerExit(rank, process.pid), process, reader))
+    except BaseException:
+        _stop(workers, 0.0)  # a later rank did not start (fork failed): the others would wait until the timeout
+        raise
 
     terminated_at: list[float] = []  # set when SIGTERM arrives
 
