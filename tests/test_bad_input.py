@@ -8,8 +8,10 @@ Permissions are denied with chmod; as root (who ignores permissions) the command
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import pickle
 import shutil
 import stat
 import subprocess
@@ -99,8 +101,6 @@ def jsonl_corpus(tmp: Path, sources: Sources) -> Path:
 
 def damaged_cifar(tmp: Path, sources: Sources) -> Path:
     """A copy of the fabricated CIFAR-10 with label 12 (of 10 classes) in data_batch_3."""
-    import pickle
-
     shutil.copytree(sources.cifar10_root, tmp / "cifar")
     path = tmp / "cifar" / "cifar-10-batches-py" / "data_batch_3"
     batch = pickle.loads(path.read_bytes())
@@ -148,8 +148,6 @@ def step_2_survives(tmp: Path) -> None:
     assert sorted(p.name for p in folder.iterdir() if p.name.startswith("step_")) == [
         "step_00000002.pt", "step_00000002.pt.sha256"]
     digest = (folder / "step_00000002.pt.sha256").read_text().split()[0]
-    import hashlib
-
     assert hashlib.sha256((folder / "step_00000002.pt").read_bytes()).hexdigest() == digest
     assert torch.load(folder / "step_00000002.pt", weights_only=False)["step"] == 2
 
