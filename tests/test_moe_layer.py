@@ -214,10 +214,13 @@ def test_per_call_overrides_and_bf16():
 
 
 def test_losses_match_hand_formulas():
+    """f_e counts every choice, kept or dropped (Switch: the fraction of tokens routed to e)."""
     torch.manual_seed(4)
-    layer = MoELayer(model_dim=8, num_experts=5, hidden_size=4, top_k=2, balance_loss_weight=0.3, z_loss_weight=0.07)
-    x = torch.randn(11, 8)
+    layer = MoELayer(model_dim=8, num_experts=5, hidden_size=4, top_k=2, balance_loss_weight=0.3, z_loss_weight=0.07,
+                     capacity_factor=0.5)
+    x = skewed(11, 8, dtype=torch.float32)
     layer(x)
+    assert layer.stats.dropped_fraction > 0
     logits = x @ layer.gate.weight_ED.detach().t()
     probs = torch.softmax(logits, -1)
     chosen = probs.topk(2, -1).indices.flatten().tolist()
