@@ -166,6 +166,14 @@ MUTANTS = [
     Mutant("lm_targets_not_shifted", "moetrain/data/text.py",
            "return window[:-1], window[1:]", "return window[:-1], window[:-1]",
            ("tests/test_lm_data.py",), "language-model targets are the inputs, not the next tokens"),
+    # ---- models
+    Mutant("vision_no_position_embedding", "moetrain/models/vision.py",
+           "x_BPD = self.dropout(x_BPD + self.pos_embed)", "x_BPD = self.dropout(x_BPD)",
+           ("tests/test_models_vision.py",), "the ViT forgets its position embedding"),
+    Mutant("vision_mean_pool_skips_a_patch", "moetrain/models/vision.py",
+           'pooled_BD = x_BPD[:, 0] if self.pool == "cls" else x_BPD.mean(dim=1)',
+           'pooled_BD = x_BPD[:, 0] if self.pool == "cls" else x_BPD[:, 1:].mean(dim=1)',
+           ("tests/test_models_vision.py",), "mean pooling drops the first patch"),
     # ---- CLI (the issue's: exit code of a failed run)
     Mutant("exit_code_training_failed", "moetrain/cli.py", "EXIT_TRAINING_FAILED = 1", "EXIT_TRAINING_FAILED = 3",
            ("tests/test_exit_codes.py",), "a failed training run exits 3"),

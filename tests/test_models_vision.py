@@ -37,6 +37,72 @@ def test_logits_shape_and_moe_placement(pool, expert):
         assert layer.stats.tokens_per_expert.sum().item() == 5 * (4 + (pool == "cls")) * 2
 
 
+def reference_vit(model, images):
+    """The ViT forward from its definition (Dosovitskiy et al. 2021, pre-norm blocks), in float64:
+    patches cut by hand, LayerNorm and multi-head attention from their formulas, dense FFNs as
+    fc2(gelu(fc1 x)), MoE FFNs by the naive token loop of tests/test_moe_layer.py."""
+    from test_moe_layer import naive_moe
+
+    def layer_norm(x, norm):
+        mean = x.mean(-1, keepdim=True)
+        var = ((x - mean) ** 2).mean(-1, keepdim=True)
+        return (x - mean) / torch.sqrt(var + norm.eps) * norm.weight + norm.bias
+
+    def attention(x, attn):
+        tokens, heads, head_dim = x.size(0), attn.num_heads, attn.head_dim
+        q = (x @ attn.q_proj.weight.t() + attn.q_proj.bias).view(tokens, heads, head_dim)
+        k = (x @ attn.k_proj.weight.t() + attn.k_proj.bias).view(tokens, heads, head_dim)
+        v = (x @ attn.v_proj.weight.t() + attn.v_proj.bias).view(tokens, heads, head_dim)
+        out = torch.empty(tokens, heads, head_dim, dtype=x.dtype)
+        for h in range(heads):
+            scores = q[:, h] @ k[:, h].t() / head_dim**0.5
+            out[:, h] = torch.softmax(scores, -1) @ v[:, h]
+        return out.reshape(tokens, -1) @ attn.o_proj.weight.t() + attn.o_proj.bias
+
+    conv = model.patch_embed
+    size = conv.kernel_size[0]
+    embedded = []
+    for image in images:
+        side = image.size(-1) // size
+        patches = [image[:, i * size : (i + 1) * size, j * size : (j + 1) * size].reshape(-1)
+                   for i in range(side) for j in range(side)]  # row-major, as the patch grid reads
+        x = torch.stack(patches) @ conv.weight.reshape(conv.out_channels, -1).t() + conv.bias
+        if model.cls_token is not None:
+            x = torch.cat([model.cls_token[0], x])
+        embedded.append(x + model.pos_embed[0])
+    x_BPD = torch.stack(embedded)
+    for block in model.blocks:
+        x_BPD = x_BPD + torch.stack([attention(layer_norm(x, block.attn_norm), block.attn) for x in x_BPD])
+        h_BPD = layer_norm(x_BPD, block.ffn_norm)
+        if block.is_moe:  # the experts' capacity is shared by every token of the batch
+            x_BPD = x_BPD + naive_moe(block.ffn, h_BPD, block.ffn.top_k, block.ffn.capacity_factor)[0]
+        else:
+            x_BPD = x_BPD + block.ffn.fc2(F.gelu(block.ffn.fc1(h_BPD)))
+    x_BPD = layer_norm(x_BPD, model.norm)
+    pooled_BD = x_BPD[:, 0] if model.pool == "cls" else x_BPD.mean(1)
+    return pooled_BD @ model.head.weight.t() + model.head.bias
+
+
+@pytest.mark.parametrize("pool", ["cls", "mean"])
+@torch.no_grad()
+def test_logits_match_the_vit_definition(pool):
+    torch.manual_seed(4)
+    model = tiny(pool=pool, depth=3, moe_every=2, in_channels=3, num_shared_experts=1,
+                 moe_kwargs={"top_k": 2, "capacity_factor": 1.0}).double()
+    with torch.no_grad():
+        for block in model.blocks:  # non-zero norm and expert biases, so each one must be in place
+            for norm in (block.attn_norm, block.ffn_norm):
+                norm.weight.normal_(1.0, 0.2)
+                norm.bias.normal_(0.0, 0.2)
+            if block.is_moe:
+                block.ffn.experts.b1.normal_()
+                block.ffn.experts.b2.normal_()
+        if model.cls_token is not None:
+            model.cls_token.normal_()
+    images = torch.randn(3, 3, 8, 8, dtype=torch.float64)
+    torch.testing.assert_close(model(images), reference_vit(model, images))
+
+
 def test_mean_pool_is_permutation_invariant_over_patches_without_position_embedding():
     # With the position embedding zeroed and mean pooling, the model cannot tell patch order:
     # swapping two patches of the image leaves the logits unchanged (an independent property of
