@@ -129,14 +129,19 @@ def _mean_gradient_experts(experts, params, x_RD, counts, capacity, world_size, 
     far less than one over every expert's weight gradient after the backward (on 2 GPUs of the
     benchmark: 2 x 67 MB a layer against 537 MB of bf16 weight gradients a layer).
     recompute: the experts' hidden activations are recomputed in backward (selective activation
-    checkpointing); only the local computation is, never the exchange around it."""
+    checkpointing); only the local computation is, never the exchange around it.
+    params None: the experts' own parameters, through a module call (FSDP-sharded experts)."""
     def run(x_RD, *param_values):
+        if params is None:  # sharded by FSDP: calling the module lets its hooks gather the parameters
+            return experts(x_RD, counts, capacity)
         return functional_call(experts, dict(zip(params, param_values)), (x_RD, counts, capacity))
+
+    values = () if params is None else tuple(params.values())
 
     def call(x_RD):
         if recompute:
-            return checkpoint_call(run, x_RD, *params.values())
-        return run(x_RD, *params.values())
+            return checkpoint_call(run, x_RD, *values)
+        return run(x_RD, *values)
 
     if world_size == 1:
         return call(x_RD)
@@ -156,16 +161,26 @@ class ExpertParallel:
         self.adaptive_r = layout.check_r(adaptive_r)
         self.a2a_ffn_overlap_degree = _check_overlap(a2a_ffn_overlap_degree)
         self.exchange = _check_exchange(exchange)
+        # Set by moetrain.parallel.fsdp.shard_model: the experts are an FSDP unit, whose hooks
+        # gather their parameters when the module is called (so r = 1 only, by a module call).
+        self.experts_sharded = False
 
     def run_experts(self, experts: Experts, buf_RD: torch.Tensor, plan: RoutingPlan, adaptive_r: int | None = None,
                     a2a_ffn_overlap_degree: int | None = None, recompute: bool = False) -> torch.Tensor:
         """recompute: the experts' hidden activations are recomputed in backward (not the exchange)."""
         r = self.adaptive_r if adaptive_r is None else self.layout.check_r(adaptive_r)
         overlap = self.a2a_ffn_overlap_degree if a2a_ffn_overlap_degree is None else _check_overlap(a2a_ffn_overlap_degree)
+        if self.experts_sharded and (r, overlap) != (1, 1):
+            raise ValueError(f"adaptive_r={r}, a2a_ffn_overlap_degree={overlap}: experts sharded by FSDP "
+                             "(parallel.strategy=fsdp_expert) run once per call with r = 1; the adaptive degree "
+                             "and the chunked overlap need parallel.strategy=expert")
         if r == 0:
             return _mean_gradient_experts(experts, self._all_experts(experts), buf_RD, plan.counts_E, plan.capacity,
                                           self.layout.world_size, recompute)
-        params = dict(experts.named_parameters()) if r == 1 else self._hidden_slices(experts, r)
+        if self.experts_sharded:
+            params = None
+        else:
+            params = dict(experts.named_parameters()) if r == 1 else self._hidden_slices(experts, r)
         if plan.capacity is not None:
             return self._padded(experts, params, buf_RD, plan.capacity, r, overlap, recompute)
         return self._packed(experts, params, buf_RD, plan.counts_E, r, recompute)

@@ -37,22 +37,38 @@ class SingleProcess:
     def mean_over_ranks(self, values: torch.Tensor) -> torch.Tensor:
         return values
 
+    def enable_async_checkpoints(self) -> None:
+        raise ConfigError("trainer.async_checkpoint writes sharded checkpoints of several ranks: use "
+                          "parallel.strategy=fsdp|fsdp_expert with parallel.nproc_per_node > 1, or drop it")
+
     def save_checkpoint(self, state: dict, run_dir: Path, step: int, keep: int) -> Path:
         return checkpoint.save(state, run_dir, step, keep)
+
+    def finish_checkpoints(self) -> None:
+        """Checkpoints are written synchronously here."""
 
     def load_checkpoint(self, path: Path) -> dict:
         if not Path(path).is_dir():
             return checkpoint.load(path)
-        # A multi-process checkpoint: one file per rank; usable here once converted to one rank.
+        # A multi-process checkpoint: sharded (DCP), or one file per rank of any number of ranks.
         from moetrain.parallel import checkpoint as shards
+        from moetrain.parallel import sharded_checkpoint as sharded
 
-        single = Path(shards.shard_path(str(path), 0, 1))
-        if not single.is_file():
-            raise ConfigError(
-                f"trainer.resume: {path} holds one file per rank of a multi-process run: resume with its "
-                "parallel.nproc_per_node, or convert it with `python -m moetrain.parallel.checkpoint "
-                f"{path} NEW_DIR --world-size 1` and resume from NEW_DIR"
-            )
-        state = checkpoint.load(single)  # on one rank, sharded experts are all the experts
+        if sharded.is_sharded_checkpoint(path):
+            return self._load_sharded(Path(path))
+        state = shards.consolidate(shards.load_shards(str(path)))  # on one rank, every expert is local
         state["optimizer"] = shards.indexed_optimizer_state(state["optimizer"], self.optimizer, self.model)
         return state
+
+    def _load_sharded(self, path: Path) -> dict:
+        from moetrain.parallel import checkpoint as shards
+        from moetrain.parallel import sharded_checkpoint as sharded
+
+        sharded.verify(path)
+        named = {"model": self.model.state_dict(), "optimizer": sharded.named_optimizer_state(self.optimizer, self.model)}
+        request = {**named, "trainer": sharded.blob(None), sharded.rng_key(0): sharded.blob(None)}
+        loaded = sharded.load(request, path, distributed=False)  # into named's tensors, in place
+        optimizer = shards.indexed_optimizer_state(
+            {"state": named["optimizer"]["state"], "param_groups": loaded["optimizer"]["param_groups"]},
+            self.optimizer, self.model)
+        return {**loaded["trainer"], "rng": loaded[sharded.rng_key(0)], "model": named["model"], "optimizer": optimizer}

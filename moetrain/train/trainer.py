@@ -116,6 +116,8 @@ class Trainer:
         self.forward = torch.compile(self.model) if trainer.compile else self.model
         self.moe_layers = {name: m for name, m in self.model.named_modules() if isinstance(m, MoELayer)}
         self.optimizer = self.strategy.build_optimizer(self.model, optim)
+        if trainer.async_checkpoint:
+            self.strategy.enable_async_checkpoints()
         self.scheduler = build_scheduler(self.optimizer, optim, trainer.max_steps)
         pin = self.device.type == "cuda"
         self.stream = BatchStream(data.train_set, data.batch_size, data.num_workers, seed, pin_memory=pin,
@@ -364,10 +366,14 @@ class Trainer:
         )
         try:
             self._train(board, bar)
+        except Terminated:
+            self.strategy.finish_checkpoints()  # the checkpoint SIGTERM asked for must be complete
+            raise
         finally:
             bar.close()
             if board is not None:
                 board.close()
+        self.strategy.finish_checkpoints()
         metrics = {**self.metrics, "step": self.step, "skipped_steps": self.skipped_steps}
         if self.strategy.is_main:
             (self.run_dir / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")

@@ -1,0 +1,155 @@
+"""FSDP2 (torch.distributed.fsdp.fully_shard) for MoE models, alone or composed with expert parallelism.
+
+    meshes = shard_model(model)                              # every parameter sharded over all ranks
+    meshes = shard_model(model, expert_parallel=True)        # experts placed by expert parallelism
+    optimizer = torch.optim.AdamW(model.parameters())        # after sharding: it holds the shards
+    sync_router_biases_after_step(optimizer, model)
+
+Without expert parallelism every parameter, the experts' included, is sharded over the W ranks
+(one FSDP unit per transformer block, one for the rest); each rank runs every expert on its own
+tokens, and FSDP averages every gradient over the ranks (its reduce-scatter).
+
+With expert parallelism (torchtitan's composition) the experts are first placed as
+moetrain.parallel.expert places them (rank i holds experts [i*E/W, (i+1)*E/W), or with E < W
+expert i // (W/E) on W/E consecutive ranks, its replicas) and tokens travel by all-to-all; each
+layer's experts are then one FSDP unit sharded over the replicas of those experts only (the
+"replica" dimension of expert_mesh; one rank when E >= W). The rest is sharded over all ranks.
+The MoE rules hold: an expert's gradient already holds every rank's contribution, divided by W
+on the way (expert.py), so FSDP sums it over that expert's replicas instead of averaging it;
+shared gradients are averaged over all ranks.
+
+global_grad_norm() is the norm of the whole model's gradient, each element counted once (every
+element lives on exactly one rank once sharded); the sigmoid gate's load is summed over all ranks
+before its bias moves (sync_router_biases_after_step). Mixed precision: bf16 parameters in
+forward and backward, fp32 master weights, gradients reduced in fp32. CPU offload keeps the
+sharded parameters, gradients and optimizer state on the CPU between uses.
+
+Shape letters: E experts, W ranks, G expert groups (W / replicas), R replicas of each expert.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+
+from moetrain.moe import moe_layers
+from moetrain.moe.experts import is_expert_param, mark_expert
+from moetrain.parallel.expert import parallelize
+
+
+def device_type_of(model: nn.Module) -> str:
+    return next(model.parameters()).device.type
+
+
+def expert_mesh(num_experts: int, device_type: str) -> DeviceMesh:
+    """The world as [G, R]: row g holds the ranks of expert group g (experts placed as layout.py
+    places them), column q its q-th replica. Collective: every rank calls it."""
+    world = dist.get_world_size()
+    replicas = max(world // num_experts, 1)
+    return init_device_mesh(device_type, (world // replicas, replicas), mesh_dim_names=("expert", "replica"))
+
+
+@torch.no_grad()
+def broadcast_from_first(tensors: list[torch.Tensor]) -> None:
+    """Every rank starts from rank 0's values (as DDP does), whatever its seed."""
+    buckets: dict[tuple, list[torch.Tensor]] = {}
+    for tensor in tensors:
+        buckets.setdefault((tensor.dtype, tensor.device), []).append(tensor)
+    for bucket in buckets.values():
+        flat = _flatten_dense_tensors(bucket)
+        dist.broadcast(flat, 0)
+        for tensor, value in zip(bucket, _unflatten_dense_tensors(flat, bucket)):
+            tensor.copy_(value)
+
+
+def _policies(mixed_precision: bool, cpu_offload: bool) -> dict:
+    return {
+        "mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        if mixed_precision else MixedPrecisionPolicy(),
+        "offload_policy": CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if cpu_offload else OffloadPolicy(),
+    }
+
+
+def shard_model(model: nn.Module, expert_parallel: bool = False, mixed_precision: bool = False,
+                cpu_offload: bool = False) -> dict[int, DeviceMesh]:
+    """Shard `model` in place (see the top of this file); call on every rank with the same full
+    model, before building the optimizer. Returns the expert mesh of each expert count (empty
+    without expert parallelism)."""
+    from moetrain.models.layers import TransformerBlock
+
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("FSDP needs torch.distributed initialised first (moetrain.parallel.init_distributed)")
+    layers = moe_layers(model)
+    if any(layer.parallel is not None for layer in layers):
+        raise ValueError("this model is parallelized already: shard_model places the experts itself")
+    device_type = device_type_of(model)
+    expert_names = {name for name, param in model.named_parameters() if is_expert_param(param)}
+    broadcast_from_first([param.data for param in model.parameters()] + list(model.buffers()))
+    policies = _policies(mixed_precision, cpu_offload)
+    meshes: dict[int, DeviceMesh] = {}
+    if expert_parallel:
+        parallelize(model, adaptive_r=1)
+        for layer in layers:
+            if layer.num_experts not in meshes:
+                meshes[layer.num_experts] = expert_mesh(layer.num_experts, device_type)
+            fully_shard(layer.experts, mesh=meshes[layer.num_experts]["replica"], **policies)
+            # Summed over the replicas, not averaged: expert.py divided by W already. Gloo has no
+            # pre-scaled sum, so the reduction is a plain sum.
+            layer.experts.set_gradient_divide_factor(1.0)
+            layer.experts.set_force_sum_reduction_for_comms(True)
+            layer.parallel.experts_sharded = True
+    world_mesh = init_device_mesh(device_type, (dist.get_world_size(),), mesh_dim_names=("shard",))
+    for module in model.modules():
+        if isinstance(module, TransformerBlock):
+            fully_shard(module, mesh=world_mesh, **policies)
+    fully_shard(model, mesh=world_mesh, **policies)
+    # fully_shard made new (DTensor) parameters: the expert tag travels by name.
+    for name, param in model.named_parameters():
+        if name in expert_names:
+            mark_expert(param)
+    return meshes
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+@torch.no_grad()
+def global_grad_norm(parameters: list[nn.Parameter], max_norm: float) -> torch.Tensor:
+    """The L2 norm of the whole sharded model's gradient, the same on every rank; scales every
+    gradient so that it is at most max_norm (inf: only measure). Once sharded, each element of the
+    model lives on exactly one rank, so the squares of the local shards sum to the whole."""
+    grads = [_local(param.grad) for param in parameters if param.grad is not None]
+    device = grads[0].device if grads else next(iter(parameters)).device
+    squares = torch.zeros((), device=device, dtype=torch.float32)
+    for grad in grads:
+        if grad.numel():
+            squares += torch.linalg.vector_norm(grad.float()) ** 2
+    dist.all_reduce(squares)
+    total = squares.sqrt()
+    grads = [grad for grad in grads if grad.numel()]
+    if grads and max_norm != float("inf"):
+        # As torch.nn.utils.clip_grads_with_norm_ scales (it takes parameters, these are local shards).
+        torch._foreach_mul_(grads, (max_norm / (total + 1e-6)).clamp(max=1.0).to(grads[0].device))
+    return total
+
+
+def sync_router_biases_after_step(optimizer: torch.optim.Optimizer, model: nn.Module):
+    """After each optimizer step, every sigmoid gate's load is summed over all ranks and its bias
+    moves from that (the same way on every rank). Returns the hook's handle."""
+    layers = moe_layers(model)
+
+    @torch.no_grad()
+    def update(optimizer, args, kwargs) -> None:
+        for layer in layers:
+            pending = getattr(layer.gate, "pending_load", None)
+            if pending is not None:
+                dist.all_reduce(pending)
+            layer.gate.update_bias()
+
+    return optimizer.register_step_post_hook(update)
