@@ -405,8 +405,12 @@ def main(argv: list[str]) -> None:
     args = _parsers()[name].parse_intermixed_args(arguments)
     try:
         RUNNERS[name](args)
+    except BrokenPipeError:
+        raise  # `moetrain generate ... | head`: cli.main ends quietly, as for --help
     except REPORTED as error:
         cli._fail(_error_line(error), cli.EXIT_CONFIG_ERROR)
+    except KeyboardInterrupt:
+        cli._fail("interrupted", cli.EXIT_INTERRUPTED)
 
 
 def _error_line(error: BaseException) -> str:

@@ -108,7 +108,8 @@ def test_generate_tells_a_drawn_seed_that_draws_the_same_text(runs, monkeypatch,
 
 
 def test_generate_streams_each_token_as_it_comes(runs, tmp_path):
-    """A million tokens would take hours: the first one arrives while the command still runs."""
+    """A million tokens would take hours: the first one arrives while the command still runs, and
+    once the reader is gone (`moetrain generate ... | head -c 4`) it stops quietly."""
     prompt = torch.randint(0, 256, (4,)).tolist()
     process = subprocess.Popen([MOETRAIN, "generate", str(runs["ids"]), "--prompt", " ".join(map(str, prompt)),
                                 "--max-tokens", "1000000", "--temperature", "0"], cwd=tmp_path,
@@ -120,6 +121,9 @@ def test_generate_streams_each_token_as_it_comes(runs, tmp_path):
             assert byte, process.stderr.read().decode()
             first += byte
         assert process.poll() is None
+        process.stdout.close()
+        assert process.wait(timeout=60) == 141  # 128 + SIGPIPE, as other tools
+        assert process.stderr.read() == b""
     finally:
         process.kill()
         process.wait()
@@ -292,6 +296,7 @@ ERRORS = [
     (["eval", "{text}", "quant.hot_fraction=abc"], "bad value for quant.hot_fraction"),
     (["eval", "{text}", "+quant.scale=2"], "unknown key 'quant.scale': quant has format, hot_format, hot_fraction"),
     (["eval", "{text}", "~quant"], "write quant=none"),
+    (["eval", "{text}", "~data.shuffle"], "data.shuffle is not set, so there is nothing to delete"),
     (["eval", "{text}", "data.path=${{nowhere}}"], "data.path: cannot resolve its interpolation"),
     (["eval", "{text}", "quant=fp8", "quant.export=q.pt"], "moetrain eval does not write checkpoints"),
     (["eval", "{text}", "gate.top_k=1"], "moetrain eval takes data and quant overrides only"),
