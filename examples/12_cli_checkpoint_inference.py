@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from moetrain.config import GateConfig, GateType, Impl, moe_kwargs
+from moetrain.models.routing import layer_kwargs
 
 
 def latest_checkpoint(path: Path) -> Path:
@@ -43,10 +43,9 @@ def load_for_inference(checkpoint: Path):
     config = state["config"]
     data = build(config["data"])
     # As the command does: the data fixes the model's input/output sizes unless the model config
-    # sets them, and every MoE layer gets the gate settings.
-    gate = GateConfig(**{**config["gate"], "type": GateType(config["gate"]["type"]), "impl": Impl(config["gate"]["impl"])})
+    # sets them, and every MoE layer gets the run's routing (the gate node it saved).
     inputs = {key: value for key, value in data.model_inputs.items() if key not in config["model"]}
-    model = build(config["model"], **inputs, moe_kwargs=moe_kwargs(gate))
+    model = build(config["model"], **inputs, moe_kwargs=layer_kwargs(config["gate"]))
     model.load_state_dict(state["model"])
     return model.eval(), data, state["step"]
 

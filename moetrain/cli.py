@@ -54,9 +54,11 @@ from omegaconf.errors import (
 from tqdm import tqdm
 
 import moetrain
-from moetrain.config import Config, ConfigError, GateType, Mode, did_you_mean, moe_kwargs, validate
+from moetrain.config import Config, ConfigError, GateConfig, Mode, did_you_mean, validate
 from moetrain.data import DataModule
-from moetrain.moe import EXPERTS
+from moetrain.models.presets import PRESETS
+from moetrain.models.routing import flat_routing, layer_kwargs, setting_owners
+from moetrain.moe import EXPERTS, GATES
 from moetrain.ops import ExtensionUnavailable
 from moetrain.parallel.launch import WorkerFailed, WorkersTerminated, choose_backend, init_from_torchrun, spawn
 from moetrain.parallel.training import Distributed
@@ -83,15 +85,35 @@ def recipe_names() -> list[str]:
 
 def _names(kind: str) -> str:
     """${moetrain_names:gates|experts} in the help template: the choices the code knows."""
-    return ", ".join({"gates": [gate.value for gate in GateType], "experts": sorted(EXPERTS)}[kind])
+    return ", ".join({"gates": list(GATES), "experts": sorted(EXPERTS)}[kind])
+
+
+def schema() -> type[Config]:
+    """Config with the gate node typed from the gate registry: GateConfig's layer-level keys plus
+    every registered gate's settings (null: the gate's own default), so gate.KEY=VALUE is checked
+    while composing and a newly registered gate needs no schema change."""
+    fields = []
+    for key, owners in setting_owners().items():
+        hint = typing.get_type_hints(GATES[owners[0]].Settings)[key]
+        fields.append((key, typing.Optional[hint], dataclasses.field(default=None)))
+    gate_schema = dataclasses.make_dataclass("GateSchema", fields, bases=(GateConfig,))
+    return dataclasses.make_dataclass(
+        "ConfigSchema", [("gate", gate_schema, dataclasses.field(default_factory=gate_schema))], bases=(Config,))
 
 
 def register_configs() -> None:
-    """The typed schema under the primary config, every recipes/*.yaml as group `recipe`, and the
-    help template's resolver."""
+    """The typed schema under the primary config; group `routing`: each Python model preset's own
+    routing (conf/model/<preset>.yaml puts it in the gate node); group `gate`: one option per
+    registered gate (that gate with its default settings); every recipes/*.yaml as group `recipe`;
+    the help template's resolver."""
     OmegaConf.register_new_resolver("moetrain_names", _names, replace=True)
     store = ConfigStore.instance()
-    store.store(name="moetrain_schema", node=Config)
+    store.store(name="moetrain_schema", node=schema())
+    for name, preset in PRESETS.items():
+        store.store(group="routing", name=name, node=flat_routing(preset.moe_kwargs))
+    no_settings = {key: None for key in setting_owners()}
+    for name in GATES:
+        store.store(group="gate", name=name, node={"type": name, **no_settings, "_target_": None})
     folder = resources.files("moetrain.recipes")
     for name in recipe_names():
         recipe = OmegaConf.create(folder.joinpath(f"{name}.yaml").read_text())
@@ -227,6 +249,10 @@ def checked(cfg: DictConfig) -> Config:
         raise ConfigError(f"'recipe' is not a config key: apply a recipe with +recipe=NAME ({'|'.join(recipe_names())})")
     config: Config = OmegaConf.to_object(cfg)
     validate(config)
+    try:
+        layer_kwargs(dataclasses.asdict(config.gate))
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
     for group in ("model", "data"):
         check_target(group, getattr(config, group))
     return config
@@ -374,8 +400,8 @@ def _instantiate(group: str, node: dict, **kwargs):
 
 
 def build(config: Config) -> tuple[DataModule, torch.nn.Module]:
-    """The data module, then the model: every MoE layer gets the gate settings (moe_kwargs), and the
-    data fixes the model's input and output sizes unless the model config sets them itself."""
+    """The data module, then the model: every MoE layer gets the routing of the gate node (the
+    model's own with the user's overrides), and the data fixes the model's input and output sizes unless the model config sets them itself."""
     data = _PREBUILT_DATA.pop(_data_key(config), None) or _build_data(config)
     seed_everything(config.seed)  # the model's initial weights do not depend on how the data was built
     return data, build_model(config, data)
@@ -383,7 +409,7 @@ def build(config: Config) -> tuple[DataModule, torch.nn.Module]:
 
 def build_model(config: Config, data: DataModule) -> torch.nn.Module:
     model_inputs = {key: value for key, value in data.model_inputs.items() if key not in config.model}
-    return _instantiate("model", config.model, **model_inputs, moe_kwargs=moe_kwargs(config.gate))
+    return _instantiate("model", config.model, **model_inputs, moe_kwargs=layer_kwargs(dataclasses.asdict(config.gate)))
 
 
 def train(cfg: DictConfig, run_dir: Path, distributed: bool = False) -> dict:

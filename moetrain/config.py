@@ -6,20 +6,22 @@ wrong type is refused while composing. The model and data groups are open dictio
 each names its builder with `_target_` (a dotted path) plus that builder's keyword arguments, so
 a new model or data set is one YAML file and no schema change. Library code receives these
 dataclasses (or the plain dictionaries), never Hydra objects.
+
+The gate group is typed here by its layer-level keys only; each registered gate declares its own
+settings next to it (moetrain.moe.gates.register_gate) and moetrain.cli adds them to the schema, so
+this module stays a leaf that imports no other part of moetrain.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
-import importlib
 import math
 import re
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Dict, List, Optional
 
-from moetrain.moe import Gate
 from moetrain.quant import FORMATS
 
 
@@ -31,12 +33,6 @@ def did_you_mean(word: str, choices) -> str:
     """' (did you mean X?)' for the closest of `choices`, or '' when nothing is close."""
     close = difflib.get_close_matches(str(word), [str(c) for c in choices], n=1)
     return f" (did you mean {close[0]}?)" if close else ""
-
-
-class GateType(Enum):
-    top = "top"  # softmax over experts, top-k (Switch, GShard, Mixtral, Qwen3)
-    cosine = "cosine"  # cosine similarity in a low-dimensional space (X-MoE)
-    sigmoid = "sigmoid"  # sigmoid scores + load-balancing bias, no aux loss needed (DeepSeek-V3)
 
 
 class Impl(Enum):
@@ -78,25 +74,13 @@ class OptimizerName(Enum):
     sgd = "sgd"
 
 
-# Gate-specific settings and the gate types that take them. They default to None: "use the gate's
-# own default", and only the ones that were set are forwarded to the gate.
-GATE_SPECIFIC = {
-    "normalize": ("top", "cosine", "sigmoid"),
-    "jitter_eps": ("top",),
-    "proj_dim": ("cosine",),
-    "init_temperature": ("cosine",),
-    "bias_update_rate": ("sigmoid",),
-    "n_group": ("sigmoid",),
-    "topk_group": ("sigmoid",),
-    "routed_scaling_factor": ("sigmoid",),
-}
-
-
 @dataclass
 class GateConfig:
-    """How tokens are routed to experts: every MoE layer of the model gets these settings."""
+    """How tokens are routed to experts. The model option fills it with the model's own routing
+    (its preset's); a gate option (gate=NAME) or key (gate.KEY=VALUE) changes only what it names.
+    Every MoE layer of the model gets these settings (moetrain/models/routing.py)."""
 
-    type: GateType = GateType.top
+    type: str = "top"  # a registered gate (moetrain.moe.GATES): top, cosine, sigmoid
     top_k: int = 2
     capacity_factor: float = 1.0  # expert capacity = top_k * int(factor * ceil(tokens / experts)); 0 = dropless
     balance_loss_weight: float = 0.01  # weight of the load-balancing loss added to the training loss
@@ -104,16 +88,8 @@ class GateConfig:
     z_loss_weight: float = 0.0  # weight of the router z-loss (ST-MoE)
     batch_prioritized: bool = False  # under a capacity limit, keep the highest-scoring tokens first
     impl: Impl = Impl.kernel
-    normalize: Optional[bool] = None
-    jitter_eps: Optional[float] = None
-    proj_dim: Optional[int] = None
-    init_temperature: Optional[float] = None
-    bias_update_rate: Optional[float] = None
-    n_group: Optional[int] = None
-    topk_group: Optional[int] = None
-    routed_scaling_factor: Optional[float] = None
     # Your own gate (docs/extending.md): the dotted path of a moetrain.moe.Gate subclass, used
-    # instead of `type` and the built-in types' keys above, and its constructor arguments
+    # instead of `type` and the built-in gates' settings, and its constructor arguments
     # (+gate.kwargs.NAME=VALUE).
     _target_: Optional[str] = None
     kwargs: Dict[str, Any] = field(default_factory=dict)
@@ -213,41 +189,6 @@ class Config:
     quant: QuantConfig = field(default_factory=QuantConfig)
 
 
-def gate_class(path: str) -> type[Gate]:
-    """The Gate subclass that gate._target_ names; raises ConfigError when it cannot be used."""
-    module_name, _, class_name = path.rpartition(".")
-    try:
-        cls = getattr(importlib.import_module(module_name), class_name)
-    except (ImportError, AttributeError, ValueError) as error:
-        raise ConfigError(
-            f"gate._target_={path} cannot be imported ({error}): give the dotted path of a Gate subclass in an "
-            f"importable module (installed, or its folder on PYTHONPATH)"
-        ) from None
-    if not (isinstance(cls, type) and issubclass(cls, Gate)):
-        raise ConfigError(f"gate._target_={path} is not a moetrain.moe.Gate subclass (see docs/extending.md)")
-    return cls
-
-
-def moe_kwargs(gate: GateConfig) -> dict:
-    """The keyword arguments every MoELayer of the model receives (the models' `moe_kwargs`)."""
-    if gate._target_ is not None:
-        gate_choice, gate_kwargs = gate_class(gate._target_), dict(gate.kwargs)
-    else:
-        gate_choice = gate.type.value
-        gate_kwargs = {key: getattr(gate, key) for key in GATE_SPECIFIC if getattr(gate, key) is not None}
-    return {
-        "gate": gate_choice,
-        "top_k": gate.top_k,
-        "capacity_factor": gate.capacity_factor,
-        "balance_loss_weight": gate.balance_loss_weight,
-        "balance_loss": gate.balance_loss.value,
-        "z_loss_weight": gate.z_loss_weight,
-        "batch_prioritized": gate.batch_prioritized,
-        "impl": gate.impl.value,
-        "gate_kwargs": gate_kwargs,
-    }
-
-
 def _require(condition: bool, message: str) -> None:
     if not condition:
         raise ConfigError(message)
@@ -287,17 +228,6 @@ def validate(cfg: Config) -> None:
     _validate_name(cfg.name)
     for group in ("gate", "parallel", "optim", "trainer", "logger", "quant"):
         _validate_finite(getattr(cfg, group), group)
-    if gate._target_ is not None:
-        gate_class(gate._target_)
-    else:
-        _require(not gate.kwargs, "gate.kwargs are constructor arguments of your own gate: set "
-                 "gate._target_=your_module.YourGate as well, or use the built-in types' keys (gate.normalize, ...)")
-        for key, types in GATE_SPECIFIC.items():
-            _require(
-                getattr(gate, key) is None or gate.type.value in types,
-                f"gate.{key} applies to gate.type={'|'.join(types)} only, not {gate.type.value}: "
-                f"remove it or pick one of those gate types",
-            )
     _require(gate.top_k >= 1, f"gate.top_k must be >= 1, got {gate.top_k}")
     num_experts = cfg.model.get("num_experts")
     if isinstance(num_experts, int):

@@ -13,8 +13,8 @@ Where everything comes from:
 - the data module is rebuilt from that config (`data._target_`), because the data fixes the
   model's input and output sizes (vocabulary, sequence length, image size, classes) unless the
   model config sets them, as the command does;
-- the model is built from `model._target_` with every MoE layer getting the run's gate settings
-  (moetrain.config.moe_kwargs), then the weights are loaded;
+- the model is built from `model._target_` with every MoE layer getting the run's saved routing
+  (the gate node, moetrain.models.routing.layer_kwargs), then the weights are loaded;
 - the checkpoint is read by moetrain.train.checkpoint (one-process runs: step_N.pt checked against
   its .sha256) or moetrain.parallel.checkpoint (multi-process runs: step_N/ with one file per rank
   checked against SHA256SUMS, gathered into one model with every expert).
@@ -30,19 +30,18 @@ import logging
 import pydoc
 import random
 import re
-import typing
 from contextlib import contextmanager
 from dataclasses import dataclass
-from enum import Enum
 from pathlib import Path
 
 import numpy as np
 import torch
 from torch import nn
 
-from moetrain.config import ConfigError, GateConfig, moe_kwargs
+from moetrain.config import ConfigError
 from moetrain.data.base import DataModule
 from moetrain.data.text import SUFFIXES, ByteTokenizer
+from moetrain.models.routing import layer_kwargs
 from moetrain.train import checkpoint
 
 log = logging.getLogger(__name__)
@@ -135,43 +134,19 @@ def build_model(config: dict, model_inputs: dict) -> nn.Module:
     model_config = config.get("model") or {}
     if "_target_" not in model_config:
         raise RunError("the run's config has no model._target_: this is not a moetrain run's config")
-    gate_config = _gate_config(dict(config.get("gate") or {}))
+    try:
+        moe_kwargs = layer_kwargs(config.get("gate") or {})  # a setting the run did not save: its default
+    except ValueError as error:
+        raise RunError(f"the run's {_one_line(error)}") from None
     builder = locate(model_config["_target_"], "model._target_")
     arguments = {key: value for key, value in model_config.items() if not (key.startswith("_") and key.endswith("_"))}
     inputs = {key: value for key, value in model_inputs.items() if key not in arguments}
     with _global_rng_kept():
         torch.manual_seed(int(config.get("seed", 0)))  # the weights are overwritten; only the build's draws
         try:
-            return builder(**arguments, **inputs, moe_kwargs=moe_kwargs(gate_config))
+            return builder(**arguments, **inputs, moe_kwargs=moe_kwargs)
         except (ValueError, TypeError) as error:
             raise RunError(f"model ({model_config['_target_']}): {_one_line(error)}") from None
-
-
-def _enum_of(hint) -> type[Enum] | None:
-    """The Enum class a schema annotation names (alone or inside Optional), else None."""
-    for candidate in (hint, *typing.get_args(hint)):
-        if isinstance(candidate, type) and issubclass(candidate, Enum):
-            return candidate
-    return None
-
-
-def _gate_config(gate: dict) -> GateConfig:
-    """The saved gate settings (enums saved as their values) as the schema's GateConfig; keys the
-    run did not save take the schema's defaults."""
-    hints = typing.get_type_hints(GateConfig)
-    unknown = sorted(set(gate) - set(hints))
-    if unknown:
-        raise RunError(f"the run's gate config has key(s) {unknown} this version of moetrain does not know: load it "
-                       "with the moetrain version that trained it")
-    values = {}
-    for key, value in gate.items():
-        enum = _enum_of(hints[key])
-        try:
-            values[key] = enum(value) if enum is not None and value is not None else value
-        except ValueError:
-            choices = "|".join(member.value for member in enum)
-            raise RunError(f"the run's gate.{key}={value!r} is not one of {choices}") from None
-    return GateConfig(**values)
 
 
 def _one_line(error: BaseException) -> str:

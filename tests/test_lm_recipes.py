@@ -1,7 +1,8 @@
 """LM recipes and model/data options through the real CLI: every tiny LM recipe trains a few steps
 and reports a validation perplexity; every LM model option composes and builds (full sizes on the
-meta device, with the gate group's routing)."""
+meta device, with the model's own routing)."""
 
+import dataclasses
 import json
 import math
 import os
@@ -14,8 +15,8 @@ import torch
 from hydra.utils import instantiate
 
 from moetrain.cli import checked, register_configs
-from moetrain.config import moe_kwargs
 from moetrain.models import MoETransformerLM, parameter_counts
+from moetrain.models.routing import layer_kwargs
 from moetrain.moe import moe_layers
 
 TINY_RECIPES = ["deepseek_moe_lm", "qwen3_moe_lm", "kimi_k2_lm"]
@@ -66,14 +67,14 @@ def compose(overrides):
     [
         (["+recipe=moe_1b5_h200_lm"], "TopKGate"),
         (["+recipe=kimi_k2_lm", "model=kimi_k2"], "SigmoidGate"),
-        (["+recipe=kimi_k2_lm", "model=deepseek_v3", "gate.n_group=8", "gate.topk_group=4", "gate.top_k=8"], "SigmoidGate"),
-        (["+recipe=qwen3_moe_lm", "model=qwen3_moe_30b_a3b", "gate.top_k=8"], "TopKGate"),
-        (["+recipe=deepseek_moe_lm", "model=deepseek_moe_16b", "gate.top_k=6"], "TopKGate"),
+        (["+recipe=kimi_k2_lm", "model=deepseek_v3"], "SigmoidGate"),
+        (["+recipe=qwen3_moe_lm", "model=qwen3_moe_30b_a3b"], "TopKGate"),
+        (["+recipe=deepseek_moe_lm", "model=deepseek_moe_16b"], "TopKGate"),
         (["+recipe=qwen3_moe_lm", "model=switch_base", "gate=switch"], "TopKGate"),
-        (["+recipe=qwen3_moe_lm", "model=gshard_600b", "gate=gshard"], "TopKGate"),
+        (["+recipe=qwen3_moe_lm", "model=gshard_600b"], "TopKGate"),
         (["+recipe=qwen3_moe_lm", "model=switch_tiny", "gate=switch"], "TopKGate"),
         (["+recipe=qwen3_moe_lm", "model=gshard_tiny", "gate=gshard"], "TopKGate"),
-        (["+recipe=kimi_k2_lm", "model=deepseek_v3_tiny", "gate.n_group=4", "gate.topk_group=2"], "SigmoidGate"),
+        (["+recipe=qwen3_moe_lm", "model=deepseek_v3_tiny", "gate=cosine"], "CosineGate"),
     ],
 )
 def test_lm_options_compose_and_build(overrides, expected_gate):
@@ -82,7 +83,7 @@ def test_lm_options_compose_and_build(overrides, expected_gate):
     data_inputs = {"vocab_size": config.data["vocab_size"], "max_seq_len": config.data["seq_len"]}
     model_inputs = {key: value for key, value in data_inputs.items() if key not in config.model}
     with torch.device("meta"):
-        model = instantiate(config.model, **model_inputs, moe_kwargs=moe_kwargs(config.gate), _convert_="all")
+        model = instantiate(config.model, **model_inputs, moe_kwargs=layer_kwargs(dataclasses.asdict(config.gate)), _convert_="all")
     assert isinstance(model, MoETransformerLM)
     layers = moe_layers(model)
     assert {type(layer.gate).__name__ for layer in layers} == {expected_gate}

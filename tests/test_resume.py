@@ -19,7 +19,7 @@ import torch
 from conftest import TINY_RUN, TINY_SYNTHETIC
 
 from moetrain import cli
-from moetrain.config import GateConfig, LoggerConfig, OptimConfig, TrainerConfig, moe_kwargs
+from moetrain.config import LoggerConfig, OptimConfig, TrainerConfig
 from moetrain.data import synthetic
 from moetrain.models import VisionMoE
 from moetrain.train import Trainer, checkpoint, seed_everything
@@ -35,9 +35,10 @@ def tiny_trainer(run_dir: Path, optim: OptimConfig | None = None, seed: int = 0,
     settings.update(trainer_settings)
     optim = optim or OptimConfig(lr=3e-3, warmup_steps=2)
     seed_everything(seed)
-    gate = GateConfig(top_k=2, capacity_factor=1.0, jitter_eps=0.1, z_loss_weight=0.001)
+    routing = {"gate": "top", "top_k": 2, "capacity_factor": 1.0, "balance_loss_weight": 0.01, "z_loss_weight": 0.001,
+               "gate_kwargs": {"jitter_eps": 0.1}}
     model = VisionMoE(image_size=8, in_channels=3, patch_size=4, num_classes=4, dim=16, depth=2, num_heads=2,
-                      num_experts=4, expert_hidden_size=16, moe_every=1, dropout=0.1, moe_kwargs=moe_kwargs(gate))
+                      num_experts=4, expert_hidden_size=16, moe_every=1, dropout=0.1, moe_kwargs=routing)
     data = synthetic(num_classes=4, image_size=8, train_size=48, eval_size=16, batch_size=8, eval_batch_size=8)
     config = {"model": {"name": "tiny"}, "optim": {"lr": optim.lr, "warmup_steps": optim.warmup_steps},
               "trainer": {"max_steps": settings["max_steps"]}}

@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from moetrain.config import ConfigError, GateConfig, LoggerConfig, NonFinite, OptimConfig, TrainerConfig, moe_kwargs
+from moetrain.config import ConfigError, LoggerConfig, NonFinite, OptimConfig, TrainerConfig
 from moetrain.data import synthetic
 from moetrain.models import VisionMoE
 from moetrain.moe import is_expert_param
@@ -17,11 +17,12 @@ from moetrain.train import NonFiniteLoss, Trainer, checkpoint, seed_everything
 from moetrain.train.optim import build_optimizer, build_scheduler
 
 
-def tiny_model(gate: GateConfig | None = None) -> VisionMoE:
-    gate = gate or GateConfig(top_k=2, capacity_factor=1.0, jitter_eps=0.1, z_loss_weight=0.001)
+def tiny_model() -> VisionMoE:
+    routing = {"gate": "top", "top_k": 2, "capacity_factor": 1.0, "balance_loss_weight": 0.01, "z_loss_weight": 0.001,
+               "gate_kwargs": {"jitter_eps": 0.1}}
     return VisionMoE(
         image_size=8, in_channels=3, patch_size=4, num_classes=4, dim=16, depth=2, num_heads=2, num_experts=4,
-        expert_hidden_size=16, moe_every=1, dropout=0.1, moe_kwargs=moe_kwargs(gate),
+        expert_hidden_size=16, moe_every=1, dropout=0.1, moe_kwargs=routing,
     )
 
 

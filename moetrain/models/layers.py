@@ -10,6 +10,7 @@ model, so the same block serves ViT-style classifiers and DeepSeek/Qwen-style la
 
 from __future__ import annotations
 
+import inspect
 import math
 
 import torch
@@ -20,20 +21,10 @@ from moetrain.moe import MoELayer, recompute
 
 NORMS = ("rmsnorm", "layernorm")
 
-# Keys of the dict forwarded to every MoELayer (`moe_kwargs`); the width, expert count, expert
-# type, activation and shared experts are arguments of the model itself.
-MOE_KWARGS = (
-    "gate",
-    "top_k",
-    "capacity_factor",
-    "gate_kwargs",
-    "balance_loss_weight",
-    "balance_loss",
-    "z_loss_weight",
-    "batch_prioritized",
-    "impl",
-    "shared_hidden_size",
-)
+# The dict a model forwards to every MoELayer (`moe_kwargs`) holds MoELayer's arguments except these,
+# which are arguments of the model itself.
+MODEL_ARGUMENTS = ("model_dim", "num_experts", "hidden_size", "activation", "expert", "num_shared_experts")
+MOE_KWARGS = tuple(name for name in inspect.signature(MoELayer).parameters if name not in MODEL_ARGUMENTS)
 
 
 def make_norm(kind: str, dim: int, eps: float = 1e-6) -> nn.Module:
@@ -50,6 +41,16 @@ def check_moe_kwargs(moe_kwargs: dict | None) -> dict:
     if unknown:
         raise ValueError(f"moe_kwargs has unknown key(s) {unknown}; allowed keys: {list(MOE_KWARGS)}")
     return moe_kwargs
+
+
+def merge_moe_kwargs(base: dict, overrides: dict | None) -> dict:
+    """`base` (a preset's routing) with `overrides` applied key by key. The gate's own settings
+    (gate_kwargs) merge too while the gate stays the same; a different gate drops base's."""
+    overrides = check_moe_kwargs(overrides)
+    merged = {**base, **overrides}
+    kept = base.get("gate_kwargs") or {} if merged.get("gate") == base.get("gate") else {}
+    merged["gate_kwargs"] = {**kept, **(overrides.get("gate_kwargs") or {})}
+    return merged
 
 
 def rotary_tables(

@@ -18,6 +18,7 @@ once here and in docs/models.md:
 
 from __future__ import annotations
 
+from moetrain.models.layers import merge_moe_kwargs
 from moetrain.models.lm import LMConfig, MoETransformerLM
 
 # DeepSeek-V3 and Kimi-K2 extend their 4K pre-training context with YaRN.
@@ -37,11 +38,13 @@ PRESETS: dict[str, LMConfig] = {
         expert="ffn", activation="relu", moe_every=2, tie_embeddings=True,
         moe_kwargs={"gate": "top", "top_k": 1, "capacity_factor": 1.0, "balance_loss_weight": 0.01},
     ),
-    # GShard MoE(2048E, 36L) (Lepikhin et al. 2020): top-2, every other FFN, capacity factor 2.
+    # GShard MoE(2048E, 36L) (Lepikhin et al. 2020): top-2 with the two weights renormalised, every
+    # other FFN, expert capacity 2N/E (capacity_factor 1.0: the factor multiplies k * N/E).
     "gshard_600b": LMConfig(
         vocab_size=64000, dim=1024, depth=36, num_heads=16, num_experts=2048, expert_hidden_size=8192,
         expert="ffn", activation="relu", moe_every=2, tie_embeddings=True,
-        moe_kwargs={"gate": "top", "top_k": 2, "capacity_factor": 2.0, "balance_loss_weight": 0.01},
+        moe_kwargs={"gate": "top", "top_k": 2, "capacity_factor": 1.0, "balance_loss_weight": 0.01,
+                    "gate_kwargs": {"normalize": True}},
     ),
     # DeepSeekMoE 16B (Dai et al. 2024): 64 fine-grained experts, 2 shared, top-6, layer 0 dense.
     "deepseek_moe_16b": LMConfig(
@@ -76,11 +79,12 @@ PRESETS: dict[str, LMConfig] = {
         moe_kwargs={"gate": "sigmoid", "top_k": 8, "capacity_factor": 0, "balance_loss_weight": 0.0001,
                     "gate_kwargs": {"n_group": 1, "topk_group": 1, "routed_scaling_factor": 2.827}},
     ),
-    # Sized for one H200 (~1.5B total, ~0.5B active): few wide experts keep the expert GEMMs large.
+    # Sized for one H200 (~1.5B total, ~0.5B active): few wide experts keep the expert GEMMs large;
+    # Qwen3's routing (top-2 of 8 here).
     "moe_1b5": LMConfig(
         vocab_size=32768, dim=2048, depth=12, num_heads=16, num_kv_heads=4, head_dim=128, qk_norm=True,
         num_experts=8, expert_hidden_size=2048, rope_theta=1_000_000.0, max_seq_len=2048,
-        moe_kwargs={"gate": "top", "top_k": 2, "capacity_factor": 0, "balance_loss_weight": 0.01,
+        moe_kwargs={"gate": "top", "top_k": 2, "capacity_factor": 0, "balance_loss_weight": 0.001,
                     "gate_kwargs": {"normalize": True}},
     ),
 }
@@ -115,7 +119,9 @@ PRESETS.update({
 
 def build_lm(preset: str | None = None, **overrides) -> MoETransformerLM:
     """A language model from a preset name, with any LMConfig field overridden; without a preset,
-    the overrides are the whole config. Build under `torch.device("meta")` to count parameters."""
+    the overrides are the whole config. `moe_kwargs` changes the preset's routing key by key
+    (build_lm("deepseek_v3_tiny", moe_kwargs={"top_k": 2}) keeps its sigmoid, grouped, scaled gate).
+    Build under `torch.device("meta")` to count parameters."""
     if preset is None:
         return MoETransformerLM(LMConfig(**overrides))
     if preset not in PRESETS:
@@ -123,5 +129,7 @@ def build_lm(preset: str | None = None, **overrides) -> MoETransformerLM:
     unknown = sorted(set(overrides) - {f.name for f in LMConfig.__dataclass_fields__.values()})
     if unknown:
         raise ValueError(f"unknown LM setting(s) {unknown}; allowed: {sorted(LMConfig.__dataclass_fields__)}")
+    if "moe_kwargs" in overrides:
+        overrides["moe_kwargs"] = merge_moe_kwargs(PRESETS[preset].moe_kwargs, overrides["moe_kwargs"])
     return MoETransformerLM(PRESETS[preset].replace(**overrides))
 

@@ -9,6 +9,7 @@ make routing less sensitive to the token norm.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -19,14 +20,25 @@ from moetrain.moe.gates import Gate, GateOutput, register_gate, router_float, so
 _MAX_SCALE = 100.0
 
 
-@register_gate("cosine")
+@dataclass
+class CosineGateSettings:
+    proj_dim: int = 256  # width of the space tokens and expert directions are compared in
+    init_temperature: float = 0.5  # the learned temperature's starting value
+    normalize: bool = False  # renormalise the k chosen probabilities to sum to one
+
+    def __post_init__(self):
+        if self.proj_dim <= 0 or self.init_temperature <= 0:
+            raise ValueError(f"proj_dim and init_temperature must be > 0, got {self.proj_dim} and "
+                             f"{self.init_temperature}")
+
+
+@register_gate("cosine", CosineGateSettings)
 class CosineGate(Gate):
-    def __init__(self, model_dim: int, num_experts: int, proj_dim: int = 256, init_temperature: float = 0.5,
-                 normalize: bool = False):
+    def __init__(self, model_dim: int, num_experts: int, **settings):
         super().__init__(model_dim, num_experts)
-        if proj_dim <= 0 or init_temperature <= 0:
-            raise ValueError(f"proj_dim and init_temperature must be > 0, got {proj_dim} and {init_temperature}")
-        self.normalize = normalize
+        settings = CosineGateSettings(**settings)
+        proj_dim, init_temperature = settings.proj_dim, settings.init_temperature
+        self.normalize = settings.normalize
         self.proj = nn.Linear(model_dim, proj_dim)
         self.expert_dirs_EP = nn.Parameter(torch.empty(num_experts, proj_dim))
         nn.init.normal_(self.expert_dirs_EP, std=0.02)

@@ -5,11 +5,14 @@ Shape letters used across moetrain/moe: T tokens, D model dim, E experts, K choi
 (top-k), H expert hidden size, R rows of the expert-major buffer, N = T*K routing entries.
 
 To add a gate: subclass Gate in a new file, implement forward(), and either pass the class to
-MoELayer(gate=MyGate) or register it by name with @register_gate("name").
+MoELayer(gate=MyGate) or register it by name with @register_gate("name", MySettings). A gate's own
+settings are declared once, as the dataclass registered with it (the keyword arguments its
+constructor takes); the command line offers each field as gate.FIELD and gate.type=name.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Callable
 
@@ -40,6 +43,8 @@ class Gate(nn.Module):
     compiled kernels (moetrain.ops.router_logits)."""
 
     impl: str = "torch"
+    # The dataclass of the constructor's keyword arguments (register_gate sets it); None: none declared.
+    Settings: type | None = None
 
     def __init__(self, model_dim: int, num_experts: int):
         super().__init__()
@@ -56,8 +61,16 @@ class Gate(nn.Module):
 GATES: dict[str, type[Gate]] = {}
 
 
-def register_gate(name: str) -> Callable[[type[Gate]], type[Gate]]:
+def register_gate(name: str, settings: type | None = None) -> Callable[[type[Gate]], type[Gate]]:
+    """Make a Gate subclass known by `name` (MoELayer(gate=name), gate.type=name on the command line).
+    settings: the dataclass of the keyword arguments its constructor takes, declared next to it
+    (Gate.Settings); a gate registered without one takes no settings from the command line."""
+    if settings is not None and not dataclasses.is_dataclass(settings):
+        raise TypeError(f"settings of gate {name!r} must be a dataclass, got {settings!r}")
+
     def add(cls: type[Gate]) -> type[Gate]:
+        if settings is not None:
+            cls.Settings = settings
         GATES[name] = cls
         return cls
 

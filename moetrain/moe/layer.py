@@ -32,7 +32,7 @@ from moetrain.moe.routing import RoutingPlan, make_plan
 BALANCE_LOSSES = ("micro_batch", "global_batch", "sequence")
 
 # Importing the built-in gates registers them by name.
-from moetrain.moe import cosine_gate, sigmoid_gate, top_gate  # noqa: F401,E402  isort: skip
+from moetrain.moe import top_gate, cosine_gate, sigmoid_gate  # noqa: F401,E402  isort: skip  (this order: GATES)
 
 
 @dataclass

@@ -12,6 +12,8 @@ weights are optionally renormalised to sum to one, then multiplied by routed_sca
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
@@ -20,22 +22,35 @@ from moetrain import ops
 from moetrain.moe.gates import Gate, GateOutput, register_gate
 
 
-@register_gate("sigmoid")
+@dataclass
+class SigmoidGateSettings:
+    bias_update_rate: float = 1e-3  # how far each step moves the balancing bias (0: no bias)
+    n_group: int = 1  # groups the experts are split into for group-limited routing
+    topk_group: int = 1  # groups whose experts stay eligible for each token
+    routed_scaling_factor: float = 1.0  # multiplies the chosen experts' weights
+    normalize: bool = True  # renormalise the k chosen affinities to sum to one (before the scaling)
+
+    def __post_init__(self):
+        if self.n_group < 1:
+            raise ValueError(f"n_group must be >= 1, got {self.n_group}")
+        if not 1 <= self.topk_group <= self.n_group:
+            raise ValueError(f"topk_group must be in [1, n_group={self.n_group}], got {self.topk_group}")
+        if self.bias_update_rate < 0:
+            raise ValueError(f"bias_update_rate must be >= 0, got {self.bias_update_rate}")
+
+
+@register_gate("sigmoid", SigmoidGateSettings)
 class SigmoidGate(Gate):
-    def __init__(self, model_dim: int, num_experts: int, bias_update_rate: float = 1e-3, n_group: int = 1,
-                 topk_group: int = 1, routed_scaling_factor: float = 1.0, normalize: bool = True):
+    def __init__(self, model_dim: int, num_experts: int, **settings):
         super().__init__(model_dim, num_experts)
-        if n_group < 1 or num_experts % n_group:
-            raise ValueError(f"n_group must divide num_experts={num_experts}, got {n_group}")
-        if not 1 <= topk_group <= n_group:
-            raise ValueError(f"topk_group must be in [1, n_group={n_group}], got {topk_group}")
-        if bias_update_rate < 0:
-            raise ValueError(f"bias_update_rate must be >= 0, got {bias_update_rate}")
-        self.bias_update_rate = bias_update_rate
-        self.n_group = n_group
-        self.topk_group = topk_group
-        self.routed_scaling_factor = routed_scaling_factor
-        self.normalize = normalize
+        settings = SigmoidGateSettings(**settings)
+        if num_experts % settings.n_group:
+            raise ValueError(f"n_group must divide num_experts={num_experts}, got {settings.n_group}")
+        self.bias_update_rate = settings.bias_update_rate
+        self.n_group = settings.n_group
+        self.topk_group = settings.topk_group
+        self.routed_scaling_factor = settings.routed_scaling_factor
+        self.normalize = settings.normalize
         self.weight_ED = nn.Parameter(torch.empty(num_experts, model_dim))
         nn.init.normal_(self.weight_ED, std=model_dim**-0.5)
         # The bias is state, not a trained parameter: it is saved in checkpoints but gets no gradient.

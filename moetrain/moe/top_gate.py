@@ -6,6 +6,8 @@ the k weights to sum to one); Mixtral's is the same. The router weight is kept a
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
@@ -13,14 +15,23 @@ from moetrain import ops
 from moetrain.moe.gates import Gate, GateOutput, register_gate, router_float, softmax_topk
 
 
-@register_gate("top")
+@dataclass
+class TopGateSettings:
+    normalize: bool = False  # renormalise the k chosen probabilities to sum to one (GShard, Mixtral, Qwen3)
+    jitter_eps: float = 0.0  # Switch's multiplicative noise on the router input while training
+
+    def __post_init__(self):
+        if self.jitter_eps < 0:
+            raise ValueError(f"jitter_eps must be >= 0, got {self.jitter_eps}")
+
+
+@register_gate("top", TopGateSettings)
 class TopKGate(Gate):
-    def __init__(self, model_dim: int, num_experts: int, normalize: bool = False, jitter_eps: float = 0.0):
+    def __init__(self, model_dim: int, num_experts: int, **settings):
         super().__init__(model_dim, num_experts)
-        if jitter_eps < 0:
-            raise ValueError(f"jitter_eps must be >= 0, got {jitter_eps}")
-        self.normalize = normalize
-        self.jitter_eps = jitter_eps
+        settings = TopGateSettings(**settings)
+        self.normalize = settings.normalize
+        self.jitter_eps = settings.jitter_eps
         self.weight_ED = nn.Parameter(torch.empty(num_experts, model_dim))
         nn.init.normal_(self.weight_ED, std=model_dim**-0.5)
 
