@@ -34,7 +34,8 @@ RUNS = [("data", "none"), ("data", "full"), ("expert", "none"), ("expert", "sele
 
 def tiny_trainer(run_dir: Path, world_size: int = 1, strategy=None, max_steps: int = STEPS,
                  checkpointing: str = "none", **trainer_settings) -> Trainer:
-    """Batch GLOBAL_BATCH / world_size per rank: together the ranks see one process's batches."""
+    """Batch GLOBAL_BATCH / world_size per rank: together the ranks see one process's batches. A constant
+    learning rate: a run stopped at step N and resumed follows the same schedule as one never stopped."""
     run_dir.mkdir(parents=True, exist_ok=True)
     seed_everything(0)
     routing = dict(gate="sigmoid", top_k=1, capacity_factor=0.0, balance_loss_weight=0.1, balance_loss="global_batch",
@@ -46,7 +47,7 @@ def tiny_trainer(run_dir: Path, world_size: int = 1, strategy=None, max_steps: i
     settings = dict(max_steps=max_steps, eval_every=0, eval_batches=1, checkpoint_every=0, keep_checkpoints=0,
                     progress_bar=False, device=Device.cpu, activation_checkpointing=ActivationCheckpointing(checkpointing))
     settings.update(trainer_settings)
-    return Trainer(model, data, trainer=TrainerConfig(**settings), optim=OptimConfig(lr=1e-2, warmup_steps=1),
+    return Trainer(model, data, trainer=TrainerConfig(**settings), optim=OptimConfig(lr=1e-2, warmup_steps=0, min_lr_ratio=1.0),
                    logger=LoggerConfig(tensorboard=False, log_every=1), run_dir=run_dir, seed=0,
                    run_config={"model": {"name": "tiny"}}, strategy=strategy)
 

@@ -230,6 +230,14 @@ def blob(value) -> io.BytesIO:
     return buffer
 
 
+def unblob(value):
+    """The object a blob() held, once loaded (DCP reads a blob back into the stream it is given)."""
+    if isinstance(value, io.BytesIO):
+        value.seek(0)
+        return torch.load(value, weights_only=False)
+    return value
+
+
 def rng_key(rank: int) -> str:
     return f"rng.{rank}"
 

@@ -217,7 +217,7 @@ class Distributed:
             self.optimizer.load_state_dict({**named["optimizer"], "param_groups": [
                 {**saved, "params": own["params"]}
                 for saved, own in zip(saved_groups, named["optimizer"]["param_groups"])]})
-        return {**loaded["trainer"], "rng": loaded[rng_key], **self._current(saved_groups)}
+        return {**sharded.unblob(loaded["trainer"]), "rng": sharded.unblob(loaded[rng_key]), **self._current(saved_groups)}
 
 
 def _moe_layers(model: nn.Module):

@@ -71,4 +71,5 @@ class SingleProcess:
         optimizer = shards.indexed_optimizer_state(
             {"state": named["optimizer"]["state"], "param_groups": loaded["optimizer"]["param_groups"]},
             self.optimizer, self.model)
-        return {**loaded["trainer"], "rng": loaded[sharded.rng_key(0)], "model": named["model"], "optimizer": optimizer}
+        return {**sharded.unblob(loaded["trainer"]), "rng": sharded.unblob(loaded[sharded.rng_key(0)]),
+                "model": named["model"], "optimizer": optimizer}
