@@ -13,7 +13,7 @@ moetrain.evaluate, moetrain.generate, moetrain.export); every mistake in its inp
 ends like a training command's: one line `moetrain: error: ...` and exit code 2.
 
 This module is command-line code beside cli.py: it reads eval's overrides with Hydra's override
-grammar and checks them with cli's and the config's checks, so `data.batch_size=abc` or
+grammar and checks them with cli's checks and the config schema, so `data.batch_size=abc` or
 `quant=mxfp5` are refused with the same lines as in a training command.
 """
 
@@ -29,7 +29,6 @@ import sys
 import textwrap
 from importlib import resources
 from pathlib import Path
-from types import SimpleNamespace
 
 import hydra
 import torch
@@ -40,14 +39,14 @@ from omegaconf.errors import OmegaConfBaseException
 
 import moetrain
 from moetrain import cli, ops
-from moetrain.config import ConfigError, Device, Mode, QuantConfig, _validate_quant, did_you_mean
+from moetrain.config import ConfigError, Device, QuantConfig, did_you_mean
 from moetrain.evaluate import evaluate_run
 from moetrain.export import ARCHITECTURES, EXPORTABLE, export_hf
 from moetrain.generate import check_settings, stream_text
 from moetrain.models.hf import CheckpointError as HFCheckpointError
 from moetrain.moe import MoELayer
 from moetrain.ops import ExtensionUnavailable
-from moetrain.quant import QuantPolicy
+from moetrain.quant import FORMATS, QuantPolicy
 from moetrain.run import Run, load_run
 from moetrain.train import resolve_device
 
@@ -209,9 +208,9 @@ def _apply(root: DictConfig, override) -> None:
 def eval_config(run: Run, overrides: list[str]) -> tuple[dict, QuantConfig]:
     """The data config and quant settings of `moetrain eval`: the run's data config and no
     quantization, with the overrides applied as Hydra applies them (data=NAME replaces the data
-    config by that option's, data.KEY=VALUE changes a key; group choices first), then checked as a
-    training command checks them (the data target takes each key; the quant keys, as mode=eval
-    does). Raises ConfigError."""
+    config by that option's, data.KEY=VALUE changes a key; group choices first). The data config is
+    checked as a training command checks it (its target takes each key, with a value of its type);
+    the quant keys are typed by the schema (quant_policy checks their values). Raises ConfigError."""
     parser, parsed = OverridesParser.create(), []
     for text in overrides:  # one at a time, so that a message names the one that does not parse
         try:
@@ -232,9 +231,29 @@ def eval_config(run: Run, overrides: list[str]) -> tuple[dict, QuantConfig]:
     if not isinstance(data.get("_target_"), str):
         raise ConfigError("data has no _target_: choose a data option (data=NAME) or set data._target_")
     cli.check_target("data", data)
-    # mode=eval's checks of the quant keys (formats, per-expert precision and its calibration).
-    _validate_quant(SimpleNamespace(quant=quant, mode=Mode.eval, trainer=SimpleNamespace(resume=str(run.run_dir))))
     return data, quant
+
+
+def quant_policy(quant: QuantConfig) -> QuantPolicy | None:
+    """The experts' formats eval's quant keys ask for (None: quant=none); ConfigError naming the key."""
+    for key in ("format", "hot_format"):
+        value = getattr(quant, key)
+        if value is not None and value not in FORMATS:
+            raise ConfigError(f"quant.{key} must be one of {'|'.join(FORMATS)} or null, got {value!r}"
+                              + did_you_mean(value, FORMATS))
+    if quant.format is None:
+        if quant.hot_format is not None:
+            raise ConfigError("quant.hot_format needs quant.format (the other experts' format) as well")
+        return None
+    if quant.calibration_batches < 0:
+        raise ConfigError(f"quant.calibration_batches must be >= 0, got {quant.calibration_batches}")
+    if not 0.0 <= quant.hot_fraction <= 1.0:
+        raise ConfigError(f"quant.hot_fraction must be in [0, 1], got {quant.hot_fraction}")
+    policy = QuantPolicy(quant.format, quant.hot_format, quant.hot_fraction)
+    if policy.needs_calibration and quant.calibration_batches <= 0:
+        raise ConfigError("quant.hot_format picks the most used experts: set quant.calibration_batches to a number > 0 "
+                          "(training batches of the evaluated data)")
+    return policy
 
 
 # ---- the commands ------------------------------------------------------------------------------------
@@ -250,7 +269,7 @@ def run_eval(args) -> None:
     if quant.export is not None:
         raise ConfigError("quant.export: moetrain eval does not write checkpoints; write a quantized one with "
                           f"moetrain +recipe=... mode=eval trainer.resume={args.run_dir} quant.export=PATH")
-    policy = None if quant.format is None else QuantPolicy(quant.format, quant.hot_format, quant.hot_fraction)
+    policy = quant_policy(quant)
     metrics = evaluate_run(run, data=None if data == run.config["data"] else data, quant=policy,
                            calibration_batches=quant.calibration_batches, eval_batches=args.eval_batches,
                            progress=sys.stderr.isatty(), precision=args.precision)

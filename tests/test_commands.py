@@ -84,26 +84,26 @@ def argmax_loop(model: torch.nn.Module, prompt: list[int], max_new_tokens: int, 
 # ---- generate -----------------------------------------------------------------------------------------
 def test_generate_prints_the_greedy_text_of_the_library(runs, tmp_path):
     prompt = "Le café"
-    done = moetrain_command("generate", str(runs["text"]), "--prompt", prompt, "--max-tokens", "40",
+    done = moetrain_command("generate", str(runs["text"]), "--prompt", prompt, "--max-tokens", "24",
                             "--temperature", "0", cwd=tmp_path)
     assert done.returncode == 0 and done.stderr == "", done.stderr
     run = load_run(runs["text"])
     eos = ByteTokenizer.eos_id
-    new_ids = argmax_loop(run.model, [eos, *prompt.encode()], 40, eos_id=eos)
+    new_ids = argmax_loop(run.model, [eos, *prompt.encode()], 24, eos_id=eos)
     expected = bytes(token for token in new_ids if token != eos).decode("utf-8", errors="replace")
     assert done.stdout == expected + "\n"
-    assert done.stdout == "".join(stream_text(run, prompt, 40, temperature=0)) + "\n"
+    assert done.stdout == "".join(stream_text(run, prompt, 24, temperature=0)) + "\n"
 
 
 def test_generate_tells_a_drawn_seed_that_draws_the_same_text(runs, monkeypatch, capsys):
-    in_process(["generate", str(runs["text"]), "--prompt", "plain", "--max-tokens", "30", "--temperature", "1.3",
+    in_process(["generate", str(runs["text"]), "--prompt", "plain", "--max-tokens", "12", "--temperature", "1.3",
                 "--top-k", "50", "--top-p", "0.9"], monkeypatch)
     captured = capsys.readouterr()
     (line,) = captured.err.splitlines()
     seed = int(line.split()[2])
     assert line == f"moetrain: seed {seed} (--seed {seed} draws the same text again)"
     run = load_run(runs["text"])
-    expected = "".join(stream_text(run, "plain", 30, temperature=1.3, top_k=50, top_p=0.9, seed=seed))
+    expected = "".join(stream_text(run, "plain", 12, temperature=1.3, top_k=50, top_p=0.9, seed=seed))
     assert captured.out == expected + "\n"
 
 
@@ -259,7 +259,7 @@ def test_architectures_are_read_from_fat_binaries():
     assert commands.cuda_architectures(os.urandom(1000)) == []
 
 
-def test_help_lists_the_commands_and_a_closed_pipe_is_quiet(monkeypatch, capsys, tmp_path):
+def test_help_lists_the_commands(monkeypatch, capsys):
     with pytest.raises(SystemExit) as exit_info:
         in_process(["--help"], monkeypatch)
     assert exit_info.value.code == 0
@@ -272,10 +272,6 @@ def test_help_lists_the_commands_and_a_closed_pipe_is_quiet(monkeypatch, capsys,
         with pytest.raises(SystemExit) as exit_info:
             in_process([command, "--help"], monkeypatch)
         assert exit_info.value.code == 0 and capsys.readouterr().out.startswith(f"usage: moetrain {command} ")
-    shell = subprocess.run(["bash", "-c", f"set -o pipefail; '{MOETRAIN}' eval --help | head -3"],
-                           cwd=tmp_path, capture_output=True, text=True, timeout=120)
-    assert shell.returncode in (0, 141) and shell.stderr == "", shell.stderr
-    assert len(shell.stdout.splitlines()) == 3
 
 
 # ---- bad input ------------------------------------------------------------------------------------------------
@@ -294,6 +290,8 @@ ERRORS = [
     (["eval", "{text}", "quant=mxfp5"], "choose quant=fp8|fp8_block|mixed|mxfp4|none|nvfp4 (did you mean mxfp4?)"),
     (["eval", "{text}", "quant.format=mxfp4", "quant.hot_format=fp8"], "set quant.calibration_batches"),
     (["eval", "{text}", "quant.hot_fraction=abc"], "bad value for quant.hot_fraction"),
+    (["eval", "{text}", "quant=mixed", "quant.hot_fraction=1.5"], "quant.hot_fraction must be in [0, 1], got 1.5"),
+    (["eval", "{text}", "quant.hot_format=fp8"], "quant.hot_format needs quant.format"),
     (["eval", "{text}", "+quant.scale=2"], "unknown key 'quant.scale': quant has format, hot_format, hot_fraction"),
     (["eval", "{text}", "~quant"], "write quant=none"),
     (["eval", "{text}", "~data.shuffle"], "data.shuffle is not set, so there is nothing to delete"),
