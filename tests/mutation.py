@@ -10,7 +10,7 @@ them), tests/ and pyproject.toml into a temporary directory, then plants each mu
 below, one at a time: a one-line bug in one file. For each it runs only the test files that own
 that code (with -x: the first failure kills the mutant) with the copy first on PYTHONPATH, so
 subprocesses (the `moetrain` console script) run the mutant too. A mutant the tests pass is a
-survivor: a bug they would let through. Not part of the default pytest run (about 15 minutes on
+survivor: a bug they would let through. Not part of the default pytest run (about 20 minutes on
 two cores); run it after changing tests or the code they cover.
 
 Each mutant names its exact original text: if the code changed and the text is gone, the mutant
