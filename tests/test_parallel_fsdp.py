@@ -45,9 +45,11 @@ def tiny_trainer(run_dir: Path, world_size: int = 1, strategy=None, max_steps: i
     data = synthetic(num_classes=4, image_size=8, train_size=64, eval_size=16, batch_size=GLOBAL_BATCH // world_size,
                      eval_batch_size=8)
     settings = dict(max_steps=max_steps, eval_every=0, eval_batches=1, checkpoint_every=0, keep_checkpoints=0,
-                    progress_bar=False, device=Device.cpu, activation_checkpointing=ActivationCheckpointing(checkpointing))
+                    progress_bar=False, device=Device.cpu,
+                    activation_checkpointing=ActivationCheckpointing(checkpointing))
     settings.update(trainer_settings)
-    return Trainer(model, data, trainer=TrainerConfig(**settings), optim=OptimConfig(lr=1e-2, warmup_steps=0, min_lr_ratio=1.0),
+    optim = OptimConfig(lr=1e-2, warmup_steps=0, min_lr_ratio=1.0)
+    return Trainer(model, data, trainer=TrainerConfig(**settings), optim=optim,
                    logger=LoggerConfig(tensorboard=False, log_every=1), run_dir=run_dir, seed=0,
                    run_config={"model": {"name": "tiny"}}, strategy=strategy)
 

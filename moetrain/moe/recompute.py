@@ -25,7 +25,6 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 
-import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 

@@ -1,11 +1,12 @@
-"""Distributed training: expert / adaptive parallelism, the MoE-aware optimizer, launch, resharding."""
+"""Distributed training: expert / adaptive parallelism, FSDP2, the MoE-aware optimizer, launch, resharding."""
 
 from moetrain.parallel.expert import ExpertParallel, parallelize, set_adaptive_r
+from moetrain.parallel.fsdp import shard_model
 from moetrain.parallel.launch import choose_backend, free_port, init_distributed, init_from_torchrun, spawn
 from moetrain.parallel.layout import ExpertLayout
 from moetrain.parallel.optimizer import DistributedOptimizer
 
 __all__ = [
     "DistributedOptimizer", "ExpertLayout", "ExpertParallel", "choose_backend", "free_port", "init_distributed",
-    "init_from_torchrun", "parallelize", "set_adaptive_r", "spawn",
+    "init_from_torchrun", "parallelize", "set_adaptive_r", "shard_model", "spawn",
 ]

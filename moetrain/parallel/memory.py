@@ -60,6 +60,7 @@ def measure(layout: str, preset: str, batch: int, seq_len: int, steps: int, devi
     """One rank's figures (call on every rank of an initialised process group)."""
     from moetrain.config import OptimConfig, ParallelConfig
     from moetrain.models import build_lm
+    from moetrain.moe import moe_layers
     from moetrain.parallel.training import Distributed
 
     torch.manual_seed(0)
@@ -76,7 +77,7 @@ def measure(layout: str, preset: str, batch: int, seq_len: int, steps: int, devi
         tokens = torch.randint(0, vocab, (batch, seq_len + 1), generator=generator).to(device)
         logits = model(tokens[:, :-1])
         loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())
-        loss = loss + sum(layer.aux_loss for layer in strategy_moe_layers(model))
+        loss = loss + sum(layer.aux_loss for layer in moe_layers(model))
         loss.backward()
         strategy.reduce_gradients(model)
         strategy.clip_grad_norm_(model, 1.0)
@@ -88,12 +89,6 @@ def measure(layout: str, preset: str, batch: int, seq_len: int, steps: int, devi
     else:
         figures["peak"], figures["peak_kind"] = _peak_rss_bytes() - rss_before, "CPU peak RSS growth"
     return figures
-
-
-def strategy_moe_layers(model):
-    from moetrain.moe import moe_layers
-
-    return moe_layers(model)
 
 
 def worker(rank: int, world_size: int, out_dir: str, layouts: list[str], preset: str, batch: int, seq_len: int,

@@ -29,7 +29,6 @@ the next checkpoint starts or training ends (finish()).
 from __future__ import annotations
 
 import io
-import os
 from pathlib import Path
 
 import torch
@@ -152,17 +151,6 @@ class Saver:
         dist.barrier()
 
 
-def save_single(state: dict, directory: Path) -> None:
-    """A DCP checkpoint from one process (no process group), with its SHA256SUMS."""
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    (directory / MANIFEST).unlink(missing_ok=True)
-    dcp.save(state, checkpoint_id=str(directory), no_dist=True)
-    listed = {path.name: checkpoint.sha256_of(path) for path in sorted(directory.glob("*.distcp"))}
-    listed[METADATA] = checkpoint.sha256_of(directory / METADATA)
-    checkpoint.write_checksums(directory / MANIFEST, listed)
-
-
 # ---------------------------------------------------------------------- loading
 
 
@@ -246,9 +234,3 @@ def rng_to_load(directory: Path, rank: int) -> str:
     """This rank's saved generators, or rank 0's for a rank the saved run did not have."""
     keys = saved_keys(directory)
     return rng_key(rank) if rng_key(rank) in keys else rng_key(0)
-
-
-def remove_incomplete(directory: Path) -> None:
-    """Leftovers of a save that never completed (no SHA256SUMS) in a step directory."""
-    for entry in Path(directory).glob("*.distcp"):
-        os.remove(entry)

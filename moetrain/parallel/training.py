@@ -39,7 +39,13 @@ from moetrain.config import ConfigError, OptimConfig, ParallelConfig
 from moetrain.parallel import checkpoint as shards
 from moetrain.parallel import sharded_checkpoint as sharded
 from moetrain.parallel.expert import parallelize
-from moetrain.parallel.fsdp import device_type_of, expert_mesh, global_grad_norm, shard_model, sync_router_biases_after_step
+from moetrain.parallel.fsdp import (
+    device_type_of,
+    expert_mesh,
+    global_grad_norm,
+    shard_model,
+    sync_router_biases_after_step,
+)
 from moetrain.parallel.optimizer import DistributedOptimizer
 from moetrain.train import checkpoint
 from moetrain.train.optim import _decays, build_optimizer
@@ -55,7 +61,8 @@ class Distributed:
         self.cfg = cfg
         self.layout = getattr(cfg.strategy, "value", cfg.strategy)
         if self.layout not in LAYOUTS:
-            raise ConfigError(f"parallel.strategy must be one of {'|'.join(LAYOUTS)}, got {self.layout}")
+            raise ConfigError(f"parallel.strategy must be one of {'|'.join(LAYOUTS)}, "
+                              f"got {self.layout}")
         self.fsdp = self.layout.startswith("fsdp")
         self.expert_parallel = self.layout in ("expert", "fsdp_expert")
         self.world_size = dist.get_world_size()
@@ -217,7 +224,8 @@ class Distributed:
             self.optimizer.load_state_dict({**named["optimizer"], "param_groups": [
                 {**saved, "params": own["params"]}
                 for saved, own in zip(saved_groups, named["optimizer"]["param_groups"])]})
-        return {**sharded.unblob(loaded["trainer"]), "rng": sharded.unblob(loaded[rng_key]), **self._current(saved_groups)}
+        return {**sharded.unblob(loaded["trainer"]), "rng": sharded.unblob(loaded[rng_key]),
+                **self._current(saved_groups)}
 
 
 def _moe_layers(model: nn.Module):
@@ -230,7 +238,8 @@ def _named_optimizer_state(indexed: dict, model: nn.Module) -> dict:
     """A one-process optimizer's state_dict (parameters by index, grouped as train.optim.build_optimizer
     groups them: decayed, then not) with the parameters named as in the model."""
     trained = [(name, param) for name, param in model.named_parameters() if param.requires_grad]
-    groups = [[name for name, param in trained if _decays(param)], [name for name, param in trained if not _decays(param)]]
+    groups = [[name for name, param in trained if _decays(param)],
+              [name for name, param in trained if not _decays(param)]]
     if [len(group["params"]) for group in indexed["param_groups"]] != [len(group) for group in groups]:
         raise checkpoint.CheckpointError("the checkpoint's optimizer groups do not match this model's parameters: "
                                          "it was written for another model")

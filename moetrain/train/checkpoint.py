@@ -192,12 +192,12 @@ def check_complete(entry: Path) -> None:
 
 def candidates(resume: str, run_dir: Path) -> list[Path]:
     """The checkpoints trainer.resume names, newest first, to be tried in that order: "auto" = those of
-    this run ([] when it has none yet), a run directory = its own, a checkpoint file or a per-rank
-    directory = just that one."""
+    this run ([] when it has none yet), a run directory = its own, a checkpoint file or a per-rank or
+    sharded (DCP) step directory = just that one."""
     if resume == "auto":
         return checkpoints(Path(run_dir) / CHECKPOINT_DIR)[::-1]
     path = Path(resume).expanduser()
-    if path.is_file() or any(path.glob("rank*-of-*.pt*")) or (path / MANIFEST).is_file():
+    if path.is_file() or any(path.glob("rank*-of-*.pt*")) or any(path.glob("*.distcp")) or (path / MANIFEST).is_file():
         return [path]
     found = checkpoints(path / CHECKPOINT_DIR) or checkpoints(path)
     if not found:

@@ -65,7 +65,8 @@ class SingleProcess:
         from moetrain.parallel import sharded_checkpoint as sharded
 
         sharded.verify(path)
-        named = {"model": self.model.state_dict(), "optimizer": sharded.named_optimizer_state(self.optimizer, self.model)}
+        named = {"model": self.model.state_dict(),
+                 "optimizer": sharded.named_optimizer_state(self.optimizer, self.model)}
         request = {**named, "trainer": sharded.blob(None), sharded.rng_key(0): sharded.blob(None)}
         loaded = sharded.load(request, path, distributed=False)  # into named's tensors, in place
         optimizer = shards.indexed_optimizer_state(
