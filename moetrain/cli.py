@@ -60,6 +60,7 @@ from moetrain.models.presets import PRESETS
 from moetrain.models.routing import flat_routing, layer_kwargs, setting_owners
 from moetrain.moe import EXPERTS, GATES
 from moetrain.ops import ExtensionUnavailable
+from moetrain.quant import FORMATS
 from moetrain.parallel.launch import WorkerFailed, WorkersTerminated, choose_backend, init_from_torchrun, spawn
 from moetrain.parallel.training import Distributed
 from moetrain.train import NonFiniteLoss, Trainer, checkpoint, resolve_device, seed_everything
@@ -88,17 +89,26 @@ def _names(kind: str) -> str:
     return ", ".join({"gates": list(GATES), "experts": sorted(EXPERTS)}[kind])
 
 
-def schema() -> type[Config]:
-    """Config with the gate node typed from the gate registry: GateConfig's layer-level keys plus
-    every registered gate's settings (null: the gate's own default), so gate.KEY=VALUE is checked
-    while composing and a newly registered gate needs no schema change."""
+def _gate_schema() -> type[GateConfig]:
+    """GateConfig's layer-level keys plus every registered gate's settings (null: the gate's own
+    default), so gate.KEY=VALUE is checked while composing and a new gate needs no schema change."""
     fields = []
     for key, owners in setting_owners().items():
         hint = typing.get_type_hints(GATES[owners[0]].Settings)[key]
         fields.append((key, typing.Optional[hint], dataclasses.field(default=None)))
-    gate_schema = dataclasses.make_dataclass("GateSchema", fields, bases=(GateConfig,))
-    return dataclasses.make_dataclass(
-        "ConfigSchema", [("gate", gate_schema, dataclasses.field(default_factory=gate_schema))], bases=(Config,))
+    return _named_here(dataclasses.make_dataclass("GateSchema", fields, bases=(GateConfig,)))
+
+
+def _named_here(cls: type) -> type:
+    cls.__module__ = __name__  # found by pickle as moetrain.cli.<name>
+    return cls
+
+
+# The schema moetrain registers: Config with the gate node typed from the gate registry. Made once,
+# at import, and named in this module so that a composed config pickles (spawned workers).
+GateSchema = _gate_schema()
+ConfigSchema = _named_here(dataclasses.make_dataclass(
+    "ConfigSchema", [("gate", GateSchema, dataclasses.field(default_factory=GateSchema))], bases=(Config,)))
 
 
 def register_configs() -> None:
@@ -108,7 +118,7 @@ def register_configs() -> None:
     the help template's resolver."""
     OmegaConf.register_new_resolver("moetrain_names", _names, replace=True)
     store = ConfigStore.instance()
-    store.store(name="moetrain_schema", node=schema())
+    store.store(name="moetrain_schema", node=ConfigSchema)
     for name, preset in PRESETS.items():
         store.store(group="routing", name=name, node=flat_routing(preset.moe_kwargs))
     no_settings = {key: None for key in setting_owners()}
@@ -248,7 +258,7 @@ def checked(cfg: DictConfig) -> Config:
     if "recipe" in cfg:
         raise ConfigError(f"'recipe' is not a config key: apply a recipe with +recipe=NAME ({'|'.join(recipe_names())})")
     config: Config = OmegaConf.to_object(cfg)
-    validate(config)
+    validate(config, FORMATS)
     try:
         layer_kwargs(dataclasses.asdict(config.gate))
     except ValueError as error:

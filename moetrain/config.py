@@ -20,9 +20,7 @@ import math
 import re
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any, Dict, List, Optional
-
-from moetrain.quant import FORMATS
+from typing import Any, Dict, List, Optional, Sequence
 
 
 class ConfigError(ValueError):
@@ -222,8 +220,9 @@ def _validate_finite(node, path: str) -> None:
             )
 
 
-def validate(cfg: Config) -> None:
-    """Checks across keys and on value ranges; raises ConfigError with a one-line fix."""
+def validate(cfg: Config, quant_formats: Sequence[str]) -> None:
+    """Checks across keys and on value ranges; raises ConfigError with a one-line fix. quant_formats:
+    the expert weight formats moetrain.quant knows (given by the caller: this module imports no other)."""
     gate, trainer, optim = cfg.gate, cfg.trainer, cfg.optim
     _validate_name(cfg.name)
     for group in ("gate", "parallel", "optim", "trainer", "logger", "quant"):
@@ -266,7 +265,7 @@ def validate(cfg: Config) -> None:
         _require(getattr(trainer, key) >= 0, f"trainer.{key} must be >= 0, got {getattr(trainer, key)}")
     _require(trainer.grad_clip >= 0, f"trainer.grad_clip must be >= 0 (0 = off), got {trainer.grad_clip}")
     _require(cfg.logger.log_every >= 1, f"logger.log_every must be >= 1, got {cfg.logger.log_every}")
-    _validate_quant(cfg)
+    _validate_quant(cfg, quant_formats)
     for group in ("model", "data"):
         _require(
             isinstance(getattr(cfg, group).get("_target_"), str),
@@ -274,12 +273,12 @@ def validate(cfg: Config) -> None:
         )
 
 
-def _validate_quant(cfg: Config) -> None:
-    quant, choices = cfg.quant, "|".join(FORMATS)
+def _validate_quant(cfg: Config, formats: Sequence[str]) -> None:
+    quant, choices = cfg.quant, "|".join(formats)
     for key in ("format", "hot_format"):
         value = getattr(quant, key)
-        _require(value is None or value in FORMATS, f"quant.{key} must be one of {choices} or null, got {value!r}"
-                 + did_you_mean(value, FORMATS))
+        _require(value is None or value in formats, f"quant.{key} must be one of {choices} or null, got {value!r}"
+                 + did_you_mean(value, formats))
     _require(quant.hot_format is None or quant.format is not None,
              "quant.hot_format needs quant.format (the other experts' format) as well")
     _require(0.0 <= quant.hot_fraction <= 1.0, f"quant.hot_fraction must be in [0, 1], got {quant.hot_fraction}")
