@@ -1,6 +1,6 @@
-"""Where one MoE-layer step goes on the GPU (diagnostic behind notes/perf_notes.md; GPU only).
+"""Where one MoE-layer step goes on the GPU (GPU only).
 
-    python notes/anatomy.py [shape ...]
+    python benchmarks/anatomy.py [shape ...]
 
 For each benchmark shape (moetrain column, cf=1.0, forward + backward as in moetrain.bench):
   eager      the step as the benchmark times it;
@@ -14,12 +14,12 @@ import sys
 
 import torch
 
-from moetrain import bench
+from moetrain import bench, timing
 
 
 def median_ms(fn):
     """Median CUDA-event milliseconds of fn, timed as moetrain.bench times a step."""
-    return bench._time_steps(fn, torch.device("cuda"), warmup=5, steps=20)
+    return timing.median_ms(fn, "cuda", warmup=5, steps=20)
 
 
 def category(name: str) -> str:

@@ -1,5 +1,5 @@
 """Micro-benchmark of the padded expert epilogue's backward on one GPU:
-    python3 notes/bias_act_bwd_bench.py [--iters 50]
+    python benchmarks/bias_act_backward.py [--iters 50]
 The old path is two ATen passes (threshold_backward, then the per-expert sum over rows that reads
 the result again); the new one is torch.ops.moetrain.bias_act_backward. After warm-up, each sample
 times 5 calls queued back to back with CUDA events; the figure is the median sample, per call.
@@ -11,7 +11,6 @@ run. A failing row prints its error and the next row runs.
 from __future__ import annotations
 
 import argparse
-import statistics
 
 import torch
 
@@ -29,18 +28,11 @@ CALLS_PER_SAMPLE = 5  # queued back to back, as in a training step, so launch co
 
 
 def median_ms(fn, iters: int) -> float:
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(iters):
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
+    def sample():
         for _ in range(CALLS_PER_SAMPLE):
             fn()
-        stop.record()
-        stop.synchronize()
-        times.append(start.elapsed_time(stop) / CALLS_PER_SAMPLE)
-    return statistics.median(times)
+
+    return timing.median_ms(sample, "cuda", warmup=1, steps=iters, sync_each=True) / CALLS_PER_SAMPLE
 
 
 def old_threshold(grad_RO, out_RO):

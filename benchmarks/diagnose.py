@@ -1,4 +1,4 @@
-"""Diagnostics behind notes/perf_notes.md (GPU only): python notes/diagnose.py [shape ...]
+"""Grouped-GEMM layouts and two what-ifs for the MoE layer (GPU only): python benchmarks/diagnose.py [shape ...]
 
 1. torch._grouped_mm, forward + backward of the two expert GEMMs (no bias, no activation), with
    the weights stored [E, in, out] (row-major B, moetrain's layout) or [E, out, in] passed
@@ -15,7 +15,7 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from moetrain import bench
+from moetrain import bench, timing
 from moetrain.moe import experts as experts_module
 from moetrain.moe import losses
 from moetrain.ops.grouped import add_expert_bias, expert_matmul
@@ -53,7 +53,7 @@ def gemm_layouts(shape: bench.Shape, device: torch.device) -> dict:
     for name, fn, params in (("grouped_mm row-major B", grouped_row_major, [w1, w2]),
                              ("grouped_mm col-major B", grouped_col_major, [w1t, w2t]),
                              ("bmm padded", padded_bmm, [w1, w2])):
-        ms = bench._time_steps(bench._forward_backward(fn, x, params), device, 3, 10)
+        ms = timing.median_ms(bench._forward_backward(fn, x, params), device, 3, 10)
         out[name] = flops / (ms * 1e-3) / 1e12
     return out
 
@@ -85,7 +85,7 @@ def layer_what_if(shape: bench.Shape, device: torch.device) -> dict:
         if variant == "no sync + broadcast bias":
             experts_module.FFNExperts.forward = ffn_forward_broadcast_bias
         for cf in (1.0, 0.0):
-            ms = bench._time_steps(bench._forward_backward(lambda x: layer(x, capacity_factor=cf), x, params), device,
+            ms = timing.median_ms(bench._forward_backward(lambda x: layer(x, capacity_factor=cf), x, params), device,
                                    5, 20)
             out[f"{variant}, cf={cf:g}"] = shape.useful_flops() / (ms * 1e-3) / 1e12
     losses.balance_loss, experts_module.FFNExperts.forward = original

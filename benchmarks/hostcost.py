@@ -1,4 +1,4 @@
-"""Host cost of one MoE-layer step against its GPU time (GPU only): python notes/hostcost.py [shape ...]
+"""Host cost of one MoE-layer step against its GPU time (GPU only): python benchmarks/hostcost.py [shape ...]
 
 For each shape: the host time to issue one step (GPU idle before, no sync inside), the step time
 by CUDA events (as moetrain.bench), the GPU busy time (profiler), the ops that cost the host most,
@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from anatomy import layer_step, median_ms  # notes/, this script's folder
+from anatomy import layer_step, median_ms  # benchmarks/, this script's folder
 from moetrain import bench
 
 

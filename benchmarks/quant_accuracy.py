@@ -1,6 +1,6 @@
 """Accuracy of a small trained MoE language model per expert format (CPU; ~10 CPU-minutes at 300 steps).
 
-    python -m moetrain.quant.accuracy --steps 400
+    python benchmarks/quant_accuracy.py --steps 400
 
 Trains the qwen3_moe_tiny preset (SwiGLU experts, top-4 of 16) on a synthetic Markov-chain
 language (every token has `branching` equally likely successors, so the loss floor is

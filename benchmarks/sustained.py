@@ -1,4 +1,4 @@
-"""Does the H200 hold its GEMM rate under sustained load? (GPU only): python notes/sustained.py
+"""Does the H200 hold its GEMM rate under sustained load? (GPU only): python benchmarks/sustained.py
 
 Runs one GEMM back to back for a few seconds and prints TFLOP/s over the first and the last 20
 iterations, with the SM clock and power sampled by nvidia-smi meanwhile: the dense 8192^3 GEMM of
@@ -14,26 +14,12 @@ import torch
 
 
 def run(name, fn, flops, seconds=4.0):
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    fn()
-    end.record()
-    torch.cuda.synchronize()
-    n = max(40, int(seconds * 1e3 / start.elapsed_time(end)))
+    n = max(40, int(seconds * 1e3 / timing.median_ms(fn, "cuda", warmup=3, steps=1)))
     smi = subprocess.Popen(["nvidia-smi", "--query-gpu=clocks.sm,power.draw,temperature.gpu", "--format=csv,noheader",
                             "-lms", "250"], stdout=subprocess.PIPE, text=True)
-    pairs = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(n)]
-    for s, e in pairs:
-        s.record()
-        fn()
-        e.record()
-    torch.cuda.synchronize()
+    ms = timing.step_times_ms(fn, "cuda", warmup=0, steps=n)  # back to back, one sync at the end
     smi.terminate()
     samples = smi.communicate()[0].strip().splitlines()
-    ms = [s.elapsed_time(e) for s, e in pairs]
     first, last = statistics.median(ms[:20]), statistics.median(ms[-20:])
     print(f"{name}: {n} iterations, {sum(ms) / 1e3:.1f} s; first 20: {flops / first / 1e9:.0f} TFLOP/s, "
           f"last 20: {flops / last / 1e9:.0f} TFLOP/s; nvidia-smi (clock, power, temp) first/last: "

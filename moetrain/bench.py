@@ -41,7 +41,6 @@ import argparse
 import datetime
 import json
 import logging
-import statistics
 import time
 import warnings
 from dataclasses import asdict, dataclass
@@ -52,6 +51,7 @@ import torch.nn.functional as F
 
 from moetrain import MoELayer
 from moetrain.ops import grouped
+from moetrain.timing import median_ms
 
 
 @dataclass(frozen=True)
@@ -213,28 +213,6 @@ def layer_kind(layer: MoELayer) -> str:
 # ---- timing
 
 
-def _time_steps(step: Callable[[], None], device: torch.device, warmup: int, steps: int) -> float:
-    """Median milliseconds of one step: CUDA events on a GPU, the host clock on the CPU."""
-    for _ in range(warmup):
-        step()
-    times = []
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(steps)]
-        for start, end in events:
-            start.record()
-            step()
-            end.record()
-        torch.cuda.synchronize(device)
-        times = [start.elapsed_time(end) for start, end in events]
-    else:
-        for _ in range(steps):
-            begin = time.perf_counter()
-            step()
-            times.append((time.perf_counter() - begin) * 1e3)
-    return statistics.median(times)
-
-
 def _forward_backward(fn: Callable[[torch.Tensor], torch.Tensor], x_TD: torch.Tensor, params: list[torch.Tensor]):
     def step():
         y_TD = fn(x_TD)
@@ -278,7 +256,7 @@ def peak_step_gib(step: Callable[[], None], device: torch.device) -> float:
 
 
 def _measure(step: Callable[[], None], shape: Shape, device: torch.device, warmup: int, steps: int) -> dict:
-    ms = _time_steps(step, device, warmup, steps)
+    ms = median_ms(step, device, warmup, steps)
     return {"ms": ms, "tflops": shape.useful_flops() / (ms * 1e-3) / 1e12, "peak_gib": peak_step_gib(step, device)}
 
 
@@ -286,7 +264,7 @@ def dense_ceiling(device: torch.device, dtype: torch.dtype, size: int = 8192, wa
     """TFLOP/s of one size^3 GEMM on random data."""
     a = torch.randn(size, size, device=device, dtype=dtype)
     b = torch.randn(size, size, device=device, dtype=dtype)
-    ms = _time_steps(lambda: torch.mm(a, b), device, warmup, steps)
+    ms = median_ms(lambda: torch.mm(a, b), device, warmup, steps)
     return 2 * size**3 / (ms * 1e-3) / 1e12
 
 

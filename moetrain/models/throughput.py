@@ -20,7 +20,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from moetrain.bench import _time_steps
+from moetrain.timing import median_ms
 from moetrain.models.anatomy import anatomy_table, step_anatomy
 from moetrain.models.lm import MoETransformerLM, flops_per_token, parameter_counts
 from moetrain.models.presets import PRESETS, build_lm
@@ -137,7 +137,7 @@ def main(argv=None) -> dict:
         tokens_BT = torch.randint(0, model.config.vocab_size, (args.batch_size, args.seq_len + 1), device=device)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
         result["anatomy"] = step_anatomy(model, tokens_BT, optimizer, result["step_ms"],
-                                         lambda step: _time_steps(step, device, warmup=2, steps=5))
+                                         lambda step: median_ms(step, device, warmup=2, steps=5))
     print(json.dumps(result))
     if args.anatomy:
         print(anatomy_table(result["anatomy"], result["step_ms"]))

@@ -1,9 +1,9 @@
 """Expert-parallel training throughput: N GPUs against one, with and without all-to-all overlap,
 and with tokens exchanged by NCCL's all-to-all or through peer memory.
 
-    python -m moetrain.parallel.benchmark --gpus 2
-    python -m moetrain.parallel.benchmark --gpus 2 --layers 4 --dim 2048 --hidden 8192 --experts 16
-    python -m moetrain.parallel.benchmark --gpus 2 --overlap 1 --exchange all_to_all
+    python -m moetrain.parallel.bench --gpus 2
+    python -m moetrain.parallel.bench --gpus 2 --layers 4 --dim 2048 --hidden 8192 --experts 16
+    python -m moetrain.parallel.bench --gpus 2 --overlap 1 --exchange all_to_all
 
 The model is a stack of pre-norm residual MoE blocks (x + MoE(LayerNorm(x))), so MoE layers are
 nearly all of the work; bf16 weights and activations, fp32 router. Every GPU processes --tokens
@@ -29,7 +29,6 @@ import argparse
 import json
 import os
 import re
-import statistics
 import sys
 import tempfile
 import traceback
@@ -43,6 +42,7 @@ from moetrain import MoELayer, net
 from moetrain.parallel.expert import EXCHANGES, parallelize
 from moetrain.parallel.launch import spawn
 from moetrain.parallel.optimizer import DistributedOptimizer
+from moetrain.timing import median_ms
 
 
 class MoEStack(nn.Module):
@@ -69,20 +69,15 @@ def _tokens(args) -> torch.Tensor:
 
 
 def _time_steps(model, optimizer, args, **call) -> float:
-    """Median seconds per training step."""
+    """Median seconds per training step (each step waited for: the ranks stay in step)."""
     x_TD = _tokens(args)
-    times = []
-    for step in range(args.warmup + args.steps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
+
+    def step():
         optimizer.zero_grad()
         model(x_TD, **call).float().square().mean().backward()
         optimizer.step()
-        end.record()
-        torch.cuda.synchronize()
-        if step >= args.warmup:
-            times.append(start.elapsed_time(end) / 1e3)
-    return statistics.median(times)
+
+    return median_ms(step, "cuda", warmup=args.warmup, steps=args.steps, sync_each=True) / 1e3
 
 
 # ---------------------------------------------------------------------- one profiled step
@@ -189,16 +184,7 @@ def _measure(model, optimizer, args, **call) -> dict:
 
 
 def _median_ms(run, repeats: int = 20, warmup: int = 5) -> float:
-    times = []
-    for step in range(warmup + repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        run()
-        end.record()
-        torch.cuda.synchronize()
-        if step >= warmup:
-            times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    return median_ms(run, "cuda", warmup=warmup, steps=repeats, sync_each=True)
 
 
 def _time_exchange(args, peer_memory: bool) -> dict:
@@ -257,7 +243,7 @@ def _multi_gpu(rank: int, world: int, args, out_path: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m moetrain.parallel.benchmark", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m moetrain.parallel.bench", description=__doc__.splitlines()[0])
     parser.add_argument("--gpus", type=int, default=2)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--dim", type=int, default=2048)

@@ -18,13 +18,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
 
 import torch
 import torch.nn.functional as F
 
-from moetrain import MoELayer, ops
+from moetrain import MoELayer, ops, timing
 from moetrain.moe.routing import make_plan
 from moetrain.quant.experts import QuantizedExperts
 from moetrain.quant.export import expert_memory
@@ -43,22 +41,8 @@ FORMAT_NAMES = ("bf16", "fp8", "fp8_block", "mxfp4", "nvfp4")
 
 
 def median_ms(fn, iters: int, device: torch.device) -> float:
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(iters):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            begin = time.perf_counter()
-            fn()
-            times.append(1e3 * (time.perf_counter() - begin))
-    return statistics.median(times)
+    """Median ms of `iters` calls after 3 warm-up calls, each call waited for (moetrain.timing)."""
+    return timing.median_ms(fn, device, warmup=3, steps=iters, sync_each=True)
 
 
 def paths(layer: MoELayer, num_rows: int, device: torch.device) -> str:

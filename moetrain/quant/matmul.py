@@ -39,7 +39,7 @@ ALIGN = 16  # rows per expert in an FP8 GEMM must be a multiple of this
 
 
 # Rows per expert up to which the Triton GEMM (weights streamed and decoded in registers) beats
-# torch's grouped GEMMs. Measured on one H200 (notes/h200_2026-11-30/quant_1033/kernels.log, gate
+# torch's grouped GEMMs. Measured on one H200 (docs/quantization.md, the kernel-only timings of the gate
 # projections of the Mixtral and the 64-expert shapes): bf16 and fp8 cross over between 64 and 128
 # rows, the FP4 formats (whose other path first decodes every weight to bf16) between 128 and 512.
 SMALL_BATCH_ROWS = {"bf16": 64, "fp8": 64, "mxfp4": 256, "nvfp4": 256}

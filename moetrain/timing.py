@@ -1,0 +1,49 @@
+"""The one step timer every benchmark uses (moetrain.bench, moetrain.parallel.bench,
+moetrain.quant.bench, moetrain.models.throughput, benchmarks/).
+
+    ms = median_ms(lambda: layer(x).sum().backward(), device, warmup=5, steps=20)
+
+On a GPU each timed call sits between two CUDA events, so the figure is the call's GPU time, not
+its host time; with sync_each=False the calls are queued back to back and synchronised once at the
+end (the host may run ahead, as in training), with sync_each=True every call is waited for (calls
+whose host work must not overlap the next one). On a CPU the host clock times each call.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Callable
+
+import torch
+
+
+def step_times_ms(step: Callable[[], object], device: torch.device | str, warmup: int = 3, steps: int = 10,
+                  sync_each: bool = False) -> list[float]:
+    """Milliseconds of each of `steps` calls of step(), after `warmup` untimed calls."""
+    device = torch.device(device)
+    for _ in range(warmup):
+        step()
+    if device.type != "cuda":
+        times = []
+        for _ in range(steps):
+            begin = time.perf_counter()
+            step()
+            times.append((time.perf_counter() - begin) * 1e3)
+        return times
+    torch.cuda.synchronize(device)
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(steps)]
+    for start, end in events:
+        start.record()
+        step()
+        end.record()
+        if sync_each:
+            end.synchronize()
+    torch.cuda.synchronize(device)
+    return [start.elapsed_time(end) for start, end in events]
+
+
+def median_ms(step: Callable[[], object], device: torch.device | str, warmup: int = 3, steps: int = 10,
+              sync_each: bool = False) -> float:
+    """Median milliseconds of one call of step() (step_times_ms)."""
+    return statistics.median(step_times_ms(step, device, warmup, steps, sync_each))
