@@ -53,7 +53,6 @@ from omegaconf.errors import (
 )
 from tqdm import tqdm
 
-import moetrain
 from moetrain.config import Config, ConfigError, GateConfig, Mode, did_you_mean, validate
 from moetrain.data import DataModule
 from moetrain.models.presets import PRESETS
@@ -648,8 +647,11 @@ def _task(cfg: DictConfig) -> None:
 
 
 def _main() -> None:
-    if "--version" in sys.argv[1:]:  # before Hydra's parser, whose --version prints Hydra's own
-        print(f"moetrain {moetrain.__version__} (torch {torch.__version__}, hydra-core {hydra.__version__})")
+    from moetrain import commands  # here: commands imports this module
+
+    # eval, generate and export of a run directory, and --version (before Hydra's parser, whose
+    # --version prints Hydra's own); for --help, the commands' usage above Hydra's help.
+    if commands.dispatch(sys.argv[1:]):
         return
     register_configs()
     args = get_args_parser().parse_args()
