@@ -7,6 +7,7 @@ On a GPU each timed call sits between two CUDA events, so the figure is the call
 its host time; with sync_each=False the calls are queued back to back and synchronised once at the
 end (the host may run ahead, as in training), with sync_each=True every call is waited for (calls
 whose host work must not overlap the next one). On a CPU the host clock times each call.
+peak_bf16_flops gives the device's dense bf16 peak that MFU figures divide by.
 """
 
 from __future__ import annotations
@@ -16,6 +17,19 @@ import time
 from typing import Callable
 
 import torch
+
+
+# Dense bf16 tensor-core peaks (no sparsity), from the vendors' data sheets, by device-name part.
+PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "B200": 2250e12}
+
+
+def peak_bf16_flops(device: torch.device | str) -> float | None:
+    """The device's dense bf16 peak in FLOP/s, or None where it is not known (CPUs, other GPUs)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((peak for part, peak in PEAK_BF16_FLOPS.items() if part in name), None)
 
 
 def step_times_ms(step: Callable[[], object], device: torch.device | str, warmup: int = 3, steps: int = 10,

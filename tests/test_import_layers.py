@@ -58,3 +58,10 @@ def test_quant_does_not_import_data_or_models():
     offenders = {name: sorted(n for n in imported(path) if n.startswith(("moetrain.data", "moetrain.models")))
                  for name, path in MODULES.items() if name.startswith("moetrain.quant")}
     assert {name: found for name, found in offenders.items() if found} == {}
+
+
+def test_the_trainer_does_not_import_models_and_strategies_do_not_import_each_other():
+    assert not any(name.startswith("moetrain.models") for name in imported(MODULES["moetrain.train.trainer"]))
+    strategy, training = MODULES["moetrain.train.strategy"], MODULES["moetrain.parallel.training"]
+    assert not any(name.startswith("moetrain.parallel.training") for name in imported(strategy))
+    assert not any(name.startswith("moetrain.train.strategy") for name in imported(training))

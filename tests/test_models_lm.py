@@ -152,12 +152,13 @@ def test_sequence_longer_than_the_rotary_tables_is_refused():
 
 def test_throughput_metrics(monkeypatch):
     from moetrain.models import throughput
+    from moetrain.train import metrics as train_metrics
 
     model = build_lm("qwen3_moe_tiny", max_seq_len=32)
-    assert throughput.training_throughput(model, 10.0, 32, "cpu") == {"tokens_per_sec": 320.0}  # no known peak
+    assert train_metrics.training_throughput(model, 10.0, 32, "cpu") == {"tokens_per_sec": 320.0}  # no known peak
     result = throughput.measure(model, batch_size=2, seq_len=32, steps=2, warmup=1)
     assert result["tokens_per_s"] == pytest.approx(64 / (result["step_ms"] / 1e3))
     assert result["mfu"] is None and math.isfinite(result["loss"])
-    monkeypatch.setattr(throughput, "peak_bf16_flops", lambda device: 1e12)
-    metrics = throughput.training_throughput(model, 10.0, 32, "cuda", world_size=2)
+    monkeypatch.setattr(train_metrics, "peak_bf16_flops", lambda device: 1e12)
+    metrics = train_metrics.training_throughput(model, 10.0, 32, "cuda", world_size=2)
     assert metrics["mfu"] == pytest.approx(160.0 * flops_per_token(model, 32) / 1e12)

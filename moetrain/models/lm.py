@@ -147,6 +147,11 @@ class MoETransformerLM(nn.Module):
             **c.moe_kwargs,
         )
 
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per token at this sequence length (module function flops_per_token); the
+        trainer reads it to report MFU without knowing the model class."""
+        return flops_per_token(self, seq_len)
+
     def forward(self, tokens_BT: torch.Tensor) -> torch.Tensor:
         T = tokens_BT.shape[1]
         if T > self.config.max_seq_len:

@@ -5,7 +5,7 @@
 Each step is forward + backward + AdamW on random tokens (no data loading). The step time is the
 median over the timed steps after warm-up, measured with CUDA events on a GPU. MFU is
 tokens/s x flops_per_token(model, seq_len) / the device's dense bf16 peak (989 TFLOP/s on H100
-and H200 SXM), the convention of PaLM and of issue 6's target; it prints as null where the peak
+and H200 SXM), the convention of PaLM; it prints as null where the peak
 of the device is unknown (CPUs). The result is one JSON line.
 """
 
@@ -20,39 +20,15 @@ import time
 import torch
 import torch.nn.functional as F
 
-from moetrain.timing import median_ms
+from moetrain.timing import median_ms, peak_bf16_flops
 from moetrain.models.anatomy import anatomy_table, step_anatomy
 from moetrain.models.lm import MoETransformerLM, flops_per_token, parameter_counts
 from moetrain.models.presets import PRESETS, build_lm
 from moetrain.moe import moe_layers, update_router_biases
 
-# Dense bf16 tensor-core peaks (no sparsity), from the vendors' data sheets, by device-name part.
-PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "B200": 2250e12}
-
-
-def peak_bf16_flops(device: torch.device | str) -> float | None:
-    device = torch.device(device)
-    if device.type != "cuda":
-        return None
-    name = torch.cuda.get_device_name(device)
-    return next((peak for part, peak in PEAK_BF16_FLOPS.items() if part in name), None)
-
-
 def model_flops_utilization(tokens_per_second: float, model: MoETransformerLM, seq_len: int, device) -> float | None:
     peak = peak_bf16_flops(device)
     return None if peak is None else tokens_per_second * flops_per_token(model, seq_len) / peak
-
-
-def training_throughput(model, sequences_per_second: float, seq_len: int, device, world_size: int = 1) -> dict:
-    """What a trainer logs for a language model: tokens_per_sec (all ranks together) and, when the
-    model's FLOPs and the device's peak are known, mfu (per device)."""
-    tokens_per_second = sequences_per_second * seq_len
-    metrics = {"tokens_per_sec": tokens_per_second}
-    if isinstance(model, MoETransformerLM):
-        mfu = model_flops_utilization(tokens_per_second / world_size, model, seq_len, device)
-        if mfu is not None:
-            metrics["mfu"] = mfu
-    return metrics
 
 
 def measure(model: MoETransformerLM, batch_size: int, seq_len: int, steps: int, warmup: int, lr: float = 1e-4) -> dict:

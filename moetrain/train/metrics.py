@@ -28,6 +28,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
+
+from moetrain.timing import peak_bf16_flops
 from torch.utils.tensorboard import SummaryWriter
 from torch.utils.tensorboard.summary import hparams
 
@@ -178,3 +180,16 @@ class TensorBoard:
 
     def close(self) -> None:
         self.writer.close()
+
+
+def training_throughput(model, sequences_per_second: float, seq_len: int, device, world_size: int = 1) -> dict:
+    """What a trainer logs for a language model: tokens_per_sec (all ranks together) and, when the
+    model states its training FLOPs per token (a `flops_per_token(seq_len)` method) and the
+    device's peak is known, mfu (per device)."""
+    tokens_per_second = sequences_per_second * seq_len
+    metrics = {"tokens_per_sec": tokens_per_second}
+    flops = getattr(model, "flops_per_token", None)
+    peak = peak_bf16_flops(device)
+    if callable(flops) and peak is not None:
+        metrics["mfu"] = tokens_per_second / world_size * flops(seq_len) / peak
+    return metrics

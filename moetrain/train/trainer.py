@@ -36,11 +36,10 @@ from tqdm import tqdm
 
 from moetrain.config import ConfigError, Device, LoggerConfig, NonFinite, OptimConfig, Precision, TrainerConfig
 from moetrain.data import DataModule
-from moetrain.models.throughput import training_throughput
 from moetrain.moe import MoELayer, update_router_biases
 from moetrain.moe.recompute import set_activation_checkpointing
 from moetrain.train import checkpoint
-from moetrain.train.metrics import TensorBoard, append_metrics, flatten, load_postfix
+from moetrain.train.metrics import TensorBoard, append_metrics, flatten, load_postfix, training_throughput
 from moetrain.train.optim import build_scheduler
 from moetrain.train.strategy import SingleProcess
 from moetrain.train.stream import BatchStream
