@@ -7,6 +7,7 @@ Most checks compose in-process; a few run the real command in a subprocess (cons
 from __future__ import annotations
 
 import json
+import logging
 import math
 import subprocess
 import sys
@@ -171,6 +172,9 @@ def test_missing_kernels_stop_with_one_line_and_the_fix(monkeypatch, capsys, tmp
 
 
 def test_help_lists_groups_and_recipes(monkeypatch, capsys):
+    # Hydra's --help sets up its own logging: a handler on this test's captured stdout, which later
+    # tests would find closed ("Logging error" on their stderr). Put the root's handlers back after.
+    monkeypatch.setattr(logging.getLogger(), "handlers", list(logging.getLogger().handlers))
     monkeypatch.setattr(sys, "argv", ["moetrain", "--help"])
     with pytest.raises(SystemExit) as exit_info:
         cli.main()
