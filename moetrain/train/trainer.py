@@ -261,13 +261,25 @@ class Trainer:
         self.stop_requested = True
 
     # ---- evaluation --------------------------------------------------------------------------
+    def _eval_batches(self) -> int | None:
+        """How many batches evaluate() reads (None when the loader cannot tell its length)."""
+        try:
+            total = len(self.eval_loader)
+        except TypeError:
+            return self.cfg.eval_batches or None
+        return min(total, self.cfg.eval_batches) if self.cfg.eval_batches else total
+
     @torch.no_grad()
     def evaluate(self) -> dict:
         self.model.eval()
         loss_sum, correct, count = 0.0, 0, 0
+        # A bar of its own, so the run's display moves while it evaluates (it is removed when done).
+        bar = tqdm(total=self._eval_batches(), desc="eval", unit="batch", leave=False, dynamic_ncols=True,
+                   disable=not (self.cfg.progress_bar and self.strategy.is_main))
         for index, (inputs, targets) in enumerate(self.eval_loader):
             if self.cfg.eval_batches and index == self.cfg.eval_batches:
                 break
+            bar.update(1)
             inputs, targets = inputs.to(self.device), targets.to(self.device)
             with self.autocast():
                 logits = self.forward(inputs)
@@ -276,6 +288,7 @@ class Trainer:
             loss_sum += float(task_loss(logits, targets)) * n
             correct += int((logits.argmax(dim=-1) == targets)[scored].sum())
             count += n
+        bar.close()
         self.model.train()
         metrics = {"eval/loss": loss_sum / count, "eval/accuracy": correct / count}
         if self.data.task == "language_modeling":
@@ -431,6 +444,7 @@ class Trainer:
                 )
             if (cfg.eval_every and self.step % cfg.eval_every == 0) or last:
                 metrics.update(self.evaluate())
+                bar.unpause()  # the evaluation's time is not training time: keep it out of the bar's rate and ETA
                 log.info(
                     "step %d: eval loss %.4f, accuracy %.4f", self.step, metrics["eval/loss"], metrics["eval/accuracy"]
                 )
