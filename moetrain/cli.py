@@ -18,8 +18,11 @@ Hydra's entry point, which makes the run directory and calls `train`.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
+import importlib
 import inspect
+import itertools
 import logging
 import os
 import re
@@ -35,8 +38,6 @@ from pathlib import Path
 import hydra
 import torch
 import torch.distributed as dist
-from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
-from hydra._internal.utils import _locate, get_args_parser
 from hydra.core.config_store import ConfigStore
 from hydra.core.hydra_config import HydraConfig
 from hydra.core.override_parser.overrides_parser import OverridesParser
@@ -210,11 +211,34 @@ def _matches(value, hint) -> bool:
     return True
 
 
+def import_object(path: str):
+    """The object a dotted path names, as Hydra's _target_ means it: from the top-level module, each
+    next name is an attribute when the object has one (a package's `synthetic` function before its
+    `synthetic` submodule), else a submodule. ImportError saying what is missing."""
+    parts = path.split(".")
+    try:
+        found = importlib.import_module(parts[0])
+    except ModuleNotFoundError:
+        raise ImportError(f"no module named {parts[0]!r}") from None
+    for depth, name in enumerate(parts[1:], start=1):
+        if hasattr(found, name):
+            found = getattr(found, name)
+            continue
+        module_name = ".".join(parts[: depth + 1])
+        try:
+            found = importlib.import_module(module_name)
+        except ModuleNotFoundError as error:
+            if error.name != module_name:
+                raise  # the module exists but needs one that is not installed
+            raise ImportError(f"{'.'.join(parts[:depth])} has no attribute {name!r}") from None
+    return found
+
+
 def check_target(group: str, node: dict) -> None:
     """The group's _target_ imports, and takes every key of the group with a value of its type."""
     path = node["_target_"]
     try:
-        target = _locate(path)  # hydra.utils.get_object would also log the failure on stderr
+        target = import_object(path)
     except ImportError as error:
         raise ConfigError(f"{group}._target_={path} cannot be imported ({_one_line(error)}): fix the dotted path")
     parameters = inspect.signature(target).parameters
@@ -293,7 +317,7 @@ def check_command_line(overrides: list[str], multirun: bool, config_dir: str | N
     runs = [overrides]
     if multirun:
         try:
-            runs = BasicSweeper.split_arguments(parsed, None)[0]
+            runs = sweep_runs(parsed)
         except HydraException:
             runs = []  # a sweep only a sweeper plugin can expand: each job checks its own config
     _PREBUILT_DATA.clear()  # only this command line's data sets
@@ -321,6 +345,22 @@ def check_command_line(overrides: list[str], multirun: bool, config_dir: str | N
                 data = _build_data(config)
                 if not multirun:  # the run itself uses it (a sweep's jobs build their own)
                     _PREBUILT_DATA[key] = data
+
+
+def sweep_runs(parsed: list) -> list[list[str]]:
+    """The override lists of every job of a basic sweep (-m): the cartesian product of each
+    sweep's values; a key given twice keeps its place and its last values. A sweep only a sweeper
+    plugin can expand (an interval) raises HydraException."""
+    choices: dict[str, list[str]] = {}
+    for override in parsed:
+        key = override.get_key_element()
+        if not override.is_sweep_override():
+            choices[key] = [override.input_line]
+        elif override.is_interval_sweep():
+            raise HydraException(f"{override.input_line}: an interval sweep needs a sweeper plugin")
+        else:
+            choices[key] = [f"{key}={value}" for value in override.sweep_string_iterator()]
+    return [list(combination) for combination in itertools.product(*choices.values())]
 
 
 def _output_dir(cfg: DictConfig, multirun: bool) -> str | None:
@@ -646,6 +686,22 @@ def _task(cfg: DictConfig) -> None:
         raise
 
 
+def command_line_parser() -> argparse.ArgumentParser:
+    """The flags `moetrain` reads before handing the command line to Hydra's entry point (Hydra's
+    own flags, with the values they take, so that none is mistaken for an override)."""
+    parser = argparse.ArgumentParser(prog="moetrain", add_help=False)
+    for flags in (("--help", "-h"), ("--hydra-help",), ("--resolve",), ("--run", "-r"), ("--multirun", "-m"),
+                  ("--shell-completion", "-sc")):
+        parser.add_argument(*flags, action="store_true")
+    for flags in (("--package", "-p"), ("--config-path", "-cp"), ("--config-name", "-cn"), ("--config-dir", "-cd"),
+                  ("--experimental-rerun",)):
+        parser.add_argument(*flags)
+    parser.add_argument("--cfg", "-c", choices=["job", "hydra", "all"])
+    parser.add_argument("--info", "-i", nargs="?", const="all")
+    parser.add_argument("overrides", nargs="*")
+    return parser
+
+
 def _main() -> None:
     from moetrain import commands  # here: commands imports this module
 
@@ -654,7 +710,7 @@ def _main() -> None:
     if commands.dispatch(sys.argv[1:]):
         return
     register_configs()
-    args = get_args_parser().parse_args()
+    args = command_line_parser().parse_args()
     if args.config_path or args.config_name:
         _fail("moetrain composes its own configs: add yours with --config-dir DIR instead of -cp/-cn", EXIT_CONFIG_ERROR)
     if not (args.help or args.hydra_help or args.shell_completion or args.info):

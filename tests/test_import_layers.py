@@ -65,3 +65,9 @@ def test_the_trainer_does_not_import_models_and_strategies_do_not_import_each_ot
     strategy, training = MODULES["moetrain.train.strategy"], MODULES["moetrain.parallel.training"]
     assert not any(name.startswith("moetrain.parallel.training") for name in imported(strategy))
     assert not any(name.startswith("moetrain.train.strategy") for name in imported(training))
+
+
+def test_no_module_uses_hydras_internals():
+    offenders = {name: sorted(n for n in imported(path) if n.startswith("hydra._internal"))
+                 for name, path in MODULES.items()}
+    assert {name: found for name, found in offenders.items() if found} == {}
