@@ -11,6 +11,10 @@ Each rank runs, against a single-process reference computed from the same seeds:
     expert parallelism with the adaptive degree r switched between steps, the chunked all-to-all
     overlap on every other step, ZeRO-1, global-norm clipping, an LR schedule and a restart from
     state dicts in the middle; outputs, weights, router biases and the gradient norm are compared;
+  - the same steps with FSDP2 (moetrain.parallel.fsdp.shard_model): every parameter sharded
+    ("fsdp"), and experts placed by expert parallelism then sharded over their replicas with
+    selective activation checkpointing ("fsdp_ep"); outputs, weights (gathered), the global
+    gradient norm and the router bias against the same reference;
   - a per-rank checkpoint is written for the conversion checks (tests/test_dist.py).
 The reference model sees each rank's batch in turn (capacities are per rank, as in the real run).
 """
@@ -26,11 +30,14 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from moetrain import MoELayer, net
 from moetrain.moe import update_router_biases
 from moetrain.parallel import checkpoint as ckpt
+from moetrain.moe.recompute import set_activation_checkpointing
 from moetrain.parallel.expert import parallelize, set_adaptive_r
+from moetrain.parallel.fsdp import global_grad_norm, shard_model, sync_router_biases_after_step
 from moetrain.parallel.launch import choose_backend, spawn
 from moetrain.parallel.optimizer import DistributedOptimizer
 
@@ -187,13 +194,7 @@ def _run_training(results, tag, num_experts, r_schedule, zero, checkpoint_dir, t
     output_err = norm_err = 0.0
     for step in range(STEPS):
         batches = _batches(world, step)
-        ref_opt.zero_grad()
-        ref_runs = [_loss(reference, x, t) for x, t in batches]  # also sums every rank's router load
-        (sum(loss for loss, _ in ref_runs) / world).backward()
-        ref_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.5)
-        ref_opt.step()
-        ref_scheduler.step()
-        update_router_biases(reference)
+        ref_runs, ref_norm = _reference_step(reference, ref_opt, ref_scheduler, batches, world)
 
         if r_schedule is not None:
             set_adaptive_r(model, r_schedule[step])
@@ -241,6 +242,61 @@ def _run_training(results, tag, num_experts, r_schedule, zero, checkpoint_dir, t
                    os.path.join(checkpoint_dir, "reference.pt"))
 
 
+def _reference_step(reference, ref_opt, ref_scheduler, batches, world):
+    ref_opt.zero_grad()
+    ref_runs = [_loss(reference, x, t) for x, t in batches]  # also sums every rank's router load
+    (sum(loss for loss, _ in ref_runs) / world).backward()
+    ref_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.5)
+    ref_opt.step()
+    ref_scheduler.step()
+    update_router_biases(reference)
+    return ref_runs, ref_norm
+
+
+def _run_fsdp_training(results, tag, num_experts, expert_parallel):
+    """STEPS steps of the model sharded by FSDP2 against the one-process reference."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(2 + rank)  # a different init per rank: shard_model must start from rank 0's
+    model = TinyMoEModel(num_experts).to(DEVICE)
+    if expert_parallel:
+        set_activation_checkpointing(model, "selective")
+    shard_model(model, expert_parallel=expert_parallel)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01, eps=1e-6)
+    sync_router_biases_after_step(optimizer, model)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 0.8**step)
+    torch.manual_seed(2)
+    reference = TinyMoEModel(num_experts).to(DEVICE)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=0.01, eps=1e-6)
+    ref_scheduler = torch.optim.lr_scheduler.LambdaLR(ref_opt, lambda step: 0.8**step)
+    output_err = norm_err = 0.0
+    for step in range(STEPS):
+        batches = _batches(world, step)
+        ref_runs, ref_norm = _reference_step(reference, ref_opt, ref_scheduler, batches, world)
+        optimizer.zero_grad()
+        loss, out = _loss(model, *batches[rank])
+        loss.backward()
+        norm_err = max(norm_err, abs(global_grad_norm(list(model.parameters()), 0.5).item() - ref_norm.item()))
+        optimizer.step()
+        scheduler.step()
+        output_err = max(output_err, (out - ref_runs[rank][1]).abs().max().item())
+    results[f"{tag}:outputs"] = output_err
+    results[f"{tag}:grad norm"] = norm_err
+    ref_params = dict(reference.named_parameters())
+    meta = ckpt.parallel_metadata(model, world, rank)
+    shared_err = expert_err = 0.0
+    for name, param in model.named_parameters():
+        gathered = param.full_tensor() if isinstance(param, DTensor) else param
+        expected = ref_params[name]
+        if name in meta["experts"] and expert_parallel:
+            expert_err = max(expert_err, (gathered - expected[ckpt.placement(meta["experts"][name], world, rank)])
+                             .abs().max().item())
+        else:
+            shared_err = max(shared_err, (gathered - expected).abs().max().item())
+    results[f"{tag}:shared params"] = shared_err
+    results[f"{tag}:expert params"] = expert_err
+    results[f"{tag}:router bias"] = (model.moe2.gate.expert_bias - reference.moe2.gate.expert_bias).abs().max().item()
+
+
 def _error_checks(results):
     """Bad setups must fail with a message naming the problem."""
     world = dist.get_world_size()
@@ -266,6 +322,12 @@ RUNS = {
     # E < W: two replicas per expert; r switches through 0, 1 and 2 (hidden dim split in two).
     "replicas": lambda world: (world // 2, [2, 1, 0, 2, 1], True, False),
 }
+# FSDP2 runs: (experts, expert parallelism). With expert parallelism each expert has two replicas,
+# over which FSDP shards it.
+FSDP_RUNS = {
+    "fsdp": lambda world: (4, False),
+    "fsdp_ep": lambda world: (world // 2, True),
+}
 
 
 def worker(rank: int, world: int, out_dir: str, runs: tuple = tuple(RUNS), impl: str = "kernel") -> None:
@@ -276,6 +338,9 @@ def worker(rank: int, world: int, out_dir: str, runs: tuple = tuple(RUNS), impl:
     results = {}
     _primitive_checks(results)
     for run in runs:
+        if run in FSDP_RUNS:
+            _run_fsdp_training(results, run, *FSDP_RUNS[run](world))
+            continue
         num_experts, r_schedule, zero, trainer_clips = RUNS[run](world)
         _run_training(results, run, num_experts, r_schedule, zero, os.path.join(out_dir, run), trainer_clips)
     if world >= 2:
@@ -306,7 +371,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--nproc must be an even number >= 2, got {args.nproc}")
     backend = choose_backend(args.backend)
     with tempfile.TemporaryDirectory() as out_dir:
-        spawn(worker, args.nproc, args=(out_dir, tuple(RUNS), args.impl), backend=backend)
+        spawn(worker, args.nproc, args=(out_dir, tuple(RUNS) + tuple(FSDP_RUNS), args.impl), backend=backend)
         per_rank = [torch.load(os.path.join(out_dir, f"results{rank}.pt"), weights_only=False)
                     for rank in range(args.nproc)]
     worst = {name: max(results[name] for results in per_rank) for name in per_rank[0] if name != "errors"}
