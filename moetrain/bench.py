@@ -82,12 +82,12 @@ GPU_SHAPES = {
         Shape("dsv3", 8192, 7168, 2048, 256, 8, "swiglu"),
     )
 }
-# Targets from PERFORMANCE.md: (fraction of the dense ceiling, ratio to the grouped_mm baseline).
+# Targets (docs/performance.md): (fraction of the dense ceiling, ratio to the grouped_mm baseline).
 TARGETS = {"gshard_2k": (0.60, 1.2), "mixtral": (0.88, 1.0), "deepseek_fg": (0.50, 1.3), "switch_top1": (0.50, 1.25),
            "moe_1b5": (0.60, 1.3), "qwen3_30b": (0.55, 1.3), "mixtral_lm": (0.60, 1.3), "dsv3": (0.55, 1.3)}
 DROPLESS_TARGET = 1.25  # FFN shapes: the dropless column against the grouped_mm baseline
 # For a few-core CPU: the four GPU shapes with tokens and widths divided by 8 (experts and k kept),
-# and the two configurations measured on a 2-core machine in PERFORMANCE.md.
+# and two configurations of a 2-core machine (experts x top-k: 8 x 2 and 32 x 4).
 CPU_SHAPES = {
     shape.name: shape
     for shape in (

@@ -65,7 +65,7 @@ from moetrain.parallel.launch import WorkerFailed, WorkersTerminated, choose_bac
 from moetrain.parallel.training import Distributed
 from moetrain.train import NonFiniteLoss, Trainer, checkpoint, resolve_device, seed_everything
 from moetrain.train.lock import LOCK_NAME, RunDirectoryBusy, lock_run_directory, unlock_run_directory
-from moetrain.train.quantized import evaluate_quantized
+from moetrain.train.quantized_evaluation import evaluate_quantized
 from moetrain.train.trainer import Terminated
 
 log = logging.getLogger(__name__)
