@@ -3,7 +3,7 @@ Gloo on CPU, and NCCL on two GPUs where there are two (skipped otherwise).
 
 One spawn runs every check (spawning is the slow part); each rank writes its largest differences
 from a single-process reference, which the tests below read:
-  - net.all_to_all_start / exchange_wait, three exchanges in flight, waited in reverse order,
+  - collectives.all_to_all_start / exchange_wait, three exchanges in flight, waited in reverse order,
     forward and backward, against an emulation of both ranks in one process;
   - a padded MoE layer whose ranks hold different token counts (so different capacities, agreed
     on the host) under a2a_ffn_overlap_degree 1, 2 and 4: outputs, input gradients and expert and
@@ -22,7 +22,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from moetrain import MoELayer, net
+from moetrain import MoELayer, collectives
 from moetrain.parallel import DistributedOptimizer, parallelize, spawn
 from moetrain.parallel import expert as expert_parallel
 
@@ -49,8 +49,8 @@ def _check_exchanges(results: dict, rank: int) -> None:
     inputs = [[_randn(4, 3, generator=gen) for _ in range(WORLD)] for _ in range(3)]
     upstream = [[_randn(4, 3, generator=gen) for _ in range(WORLD)] for _ in range(3)]
     leaves = [x[rank].clone().requires_grad_() for x in inputs]
-    flights = [net.all_to_all_start(x) for x in leaves]
-    outputs = [net.exchange_wait(flight) for flight in reversed(flights)][::-1]
+    flights = [collectives.all_to_all_start(x) for x in leaves]
+    outputs = [collectives.exchange_wait(flight) for flight in reversed(flights)][::-1]
     sum((y * g[rank]).sum() for y, g in zip(outputs, upstream)).backward()
     worst = 0.0
     for x_W, g_W, y, leaf in zip(inputs, upstream, outputs, leaves):
@@ -62,15 +62,15 @@ def _check_exchanges(results: dict, rank: int) -> None:
 
 
 def _counting_starts():
-    """Patch net.all_to_all_start to count exchanges; returns the counter list."""
+    """Patch collectives.all_to_all_start to count exchanges; returns the counter list."""
     calls = []
-    start = net.all_to_all_start
+    start = collectives.all_to_all_start
 
     def counted(x, group=None):
         calls.append(x.shape)
         return start(x, group)
 
-    net.all_to_all_start = counted
+    collectives.all_to_all_start = counted
     return calls
 
 
@@ -143,7 +143,7 @@ def worker(rank: int, world: int, out_dir: str) -> None:
     results["host group"] = (cpu_group is None, dist.get_backend(cpu_group))
     if dist.get_backend() == "gloo":
         try:
-            net.PeerMemoryExchange()
+            collectives.PeerMemoryExchange()
         except ValueError as error:
             results["peer memory on gloo"] = str(error)
     torch.save(results, os.path.join(out_dir, f"results{rank}.pt"))
@@ -152,7 +152,7 @@ def worker(rank: int, world: int, out_dir: str) -> None:
 def _check_peer_exchange(results: dict, rank: int) -> None:
     """PeerMemoryExchange against NCCL's all_to_all, both regroupings, forward and backward: the
     same bytes must arrive (exact), through 8-byte words and elementwise (odd trailing size)."""
-    exchange = net.PeerMemoryExchange()
+    exchange = collectives.PeerMemoryExchange()
     gen = torch.Generator().manual_seed(11 + rank)
     worst = 0.0
     for dtype in (torch.bfloat16, torch.float32):
@@ -160,7 +160,7 @@ def _check_peer_exchange(results: dict, rank: int) -> None:
             x = torch.randn(shape, generator=gen).to(_device(), dtype)
             leaf, reference_leaf = x.clone().requires_grad_(), x.clone().requires_grad_()
             y = exchange.all_to_all(leaf, *dims)
-            expected = net.all_to_all(reference_leaf, *dims)
+            expected = collectives.all_to_all(reference_leaf, *dims)
             upstream = torch.randn(expected.shape, generator=gen).to(_device(), dtype)
             (y.float() * upstream.float()).sum().backward()
             (expected.float() * upstream.float()).sum().backward()

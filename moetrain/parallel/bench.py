@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from moetrain import MoELayer, net
+from moetrain import MoELayer, collectives
 from moetrain.parallel.expert import EXCHANGES, parallelize
 from moetrain.parallel.launch import spawn
 from moetrain.parallel.optimizer import DistributedOptimizer
@@ -190,12 +190,12 @@ def _median_ms(run, repeats: int = 20, warmup: int = 5) -> float:
 def _time_exchange(args, peer_memory: bool) -> dict:
     """One [E, C, D] exchange of the benchmark's shape (each MoE layer makes 4 a step) on its own,
     median of 20: NCCL's all_to_all_single, a local copy of the buffer for scale, or (peer_memory)
-    net.PeerMemoryExchange's expert-major regrouping exchange."""
+    collectives.PeerMemoryExchange's expert-major regrouping exchange."""
     experts, capacity = args.experts, args.tokens * args.top_k // args.experts
     x = torch.randn(experts, capacity, args.dim, device="cuda", dtype=torch.bfloat16)
     mbytes = x.numel() * x.element_size() / 1e6
     if peer_memory:
-        exchange = net.PeerMemoryExchange()
+        exchange = collectives.PeerMemoryExchange()
         return {"mbytes": mbytes, "peer_memory_ms": _median_ms(lambda: exchange.exchange(x, 0, 1))}
     out = torch.empty_like(x)
     timings = {"mbytes": mbytes, "all_to_all_ms": _median_ms(lambda: dist.all_to_all_single(out, x)),

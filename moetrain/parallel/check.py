@@ -4,7 +4,7 @@
     python -m moetrain.parallel.check --nproc 4 --backend gloo
 
 Each rank runs, against a single-process reference computed from the same seeds:
-  - every communication primitive of moetrain.net, forward and backward, against a one-process
+  - every communication primitive of moetrain.collectives, forward and backward, against a one-process
     emulation of all ranks;
   - five training steps of a small model with two MoE layers (padded and dropless, softmax and
     sigmoid gates, FFN and SwiGLU experts, a shared expert) under data parallelism and under
@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from moetrain import MoELayer, net
+from moetrain import MoELayer, collectives
 from moetrain.moe import update_router_biases
 from moetrain.parallel import checkpoint as ckpt
 from moetrain.moe.recompute import set_activation_checkpointing
@@ -87,7 +87,7 @@ def _primitive_checks(results):
         out_shape[split_dim] //= world
         out_shape[concat_dim] *= world
         _check_primitive(results, f"all_to_all({split_dim},{concat_dim})",
-                         lambda x: net.all_to_all(x, split_dim, concat_dim),
+                         lambda x: collectives.all_to_all(x, split_dim, concat_dim),
                          lambda xs: a2a(xs, split_dim, concat_dim), shapes, [tuple(out_shape)] * world, 10 + split_dim)
 
     # Uneven all_to_all_single: rank j sends (i + j + 1) rows to rank i (some ranks send 0).
@@ -95,21 +95,21 @@ def _primitive_checks(results):
     rank = dist.get_rank()
     received = [[splits[j][i] for j in range(world)] for i in range(world)]
     _check_primitive(results, "all_to_all_single(uneven)",
-                     lambda x: net.all_to_all_single(x, received[rank], splits[rank]),
+                     lambda x: collectives.all_to_all_single(x, received[rank], splits[rank]),
                      lambda xs: [torch.cat([x.split(splits[j])[i] for j, x in enumerate(xs)]) for i in range(world)],
                      [(sum(s), 5) for s in splits], [(sum(r), 5) for r in received], 20)
     for dim in (0, 1):
-        _check_primitive(results, f"all_gather(dim={dim})", lambda x: net.all_gather(x, dim),
+        _check_primitive(results, f"all_gather(dim={dim})", lambda x: collectives.all_gather(x, dim),
                          lambda xs: [torch.cat(xs, dim)] * world, [(3, 4)] * world,
                          [(3 * world, 4) if dim == 0 else (3, 4 * world)] * world, 30 + dim)
-        _check_primitive(results, f"reduce_scatter(dim={dim})", lambda x: net.reduce_scatter(x, dim),
+        _check_primitive(results, f"reduce_scatter(dim={dim})", lambda x: collectives.reduce_scatter(x, dim),
                          lambda xs: list(sum(xs).chunk(world, dim)), [(2 * world, 3 * world)] * world,
                          [(2, 3 * world) if dim == 0 else (2 * world, 3)] * world, 40 + dim)
-    _check_primitive(results, "simple_all_reduce", lambda x: net.simple_all_reduce(x),
+    _check_primitive(results, "simple_all_reduce", lambda x: collectives.simple_all_reduce(x),
                      lambda xs: [sum(xs)] * world, [(4, 3)] * world, [(4, 3)] * world, 50)
     numel = 4 * world - 1  # not a multiple of the world size: the last shard is padded
     piece = -(-numel // world)
-    _check_primitive(results, "zero_gather", lambda x: net.zero_gather(x, numel),
+    _check_primitive(results, "zero_gather", lambda x: collectives.zero_gather(x, numel),
                      lambda xs: [torch.cat(xs)[:numel]] * world, [(piece,)] * world, [(numel,)] * world, 60)
 
     # zero_scatter hands each rank a piece of one replicated tensor: all ranks hold the same x.
@@ -120,15 +120,15 @@ def _primitive_checks(results):
     flat = F.pad(leaf.flatten(), (0, -leaf.numel() % world))
     sum((piece_ * g).sum() for piece_, g in zip(flat.chunk(world), upstream)).backward()
     x = x_full.clone().requires_grad_()
-    y = net.zero_scatter(x)
+    y = collectives.zero_scatter(x)
     (y * upstream[rank]).sum().backward()
     results["primitive:zero_scatter"] = max((y - flat.chunk(world)[rank]).abs().max().item(), (x.grad - leaf.grad).abs().max().item())
-    roundtrip = net.zero_gather(net.zero_scatter(x_full), x_full.numel())
+    roundtrip = collectives.zero_gather(collectives.zero_scatter(x_full), x_full.numel())
     results["primitive:zero_gather(zero_scatter)"] = (roundtrip - x_full.flatten()).abs().max().item()
 
     if world == 4:
-        groups = net.TwoLevelGroups(local_size=2)
-        _check_primitive(results, "hierarchical_all_to_all", lambda x: net.hierarchical_all_to_all(x, groups),
+        groups = collectives.TwoLevelGroups(local_size=2)
+        _check_primitive(results, "hierarchical_all_to_all", lambda x: collectives.hierarchical_all_to_all(x, groups),
                          lambda xs: a2a(xs, 0, 0), [(world * 3, 5)] * world, [(world * 3, 5)] * world, 80)
 
 
@@ -227,7 +227,7 @@ def _run_training(results, tag, num_experts, r_schedule, zero, checkpoint_dir, t
             expert_err = max(expert_err, (param - expected).abs().max().item())
         else:
             shared_err = max(shared_err, (param - expected).abs().max().item())
-            everyone = net.all_gather(param.detach().reshape(1, -1))
+            everyone = collectives.all_gather(param.detach().reshape(1, -1))
             spread = max(spread, (everyone - everyone[0]).abs().max().item())
     results[f"{tag}:shared spread"] = spread  # shared weights must be bit-identical on all ranks
     results[f"{tag}:shared params"] = shared_err

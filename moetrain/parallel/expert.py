@@ -19,12 +19,12 @@ rank's rows for them:
       uneven all-to-all and are regrouped expert-major.
 
 exchange="peer_memory" (GPUs of one machine, NCCL group) moves the unchunked padded buffer through
-net.PeerMemoryExchange instead: each rank reads its rows from the other GPUs' memory straight into
+collectives.PeerMemoryExchange instead: each rank reads its rows from the other GPUs' memory straight into
 expert-major order and the results back into destination order, so neither the regrouping copies
 nor NCCL kernels run (chunked calls, a2a_ffn_overlap_degree > 1, still use the all-to-all below).
 
 With a2a_ffn_overlap_degree = n > 1 the capacity dim is cut into n chunks: all chunks'
-all-to-alls are launched at once (net.all_to_all_start) and each chunk's experts wait, on the GPU
+all-to-alls are launched at once (collectives.all_to_all_start) and each chunk's experts wait, on the GPU
 stream only, for that chunk's rows, so on GPUs communication overlaps expert compute; backward
 overlaps the same way (see _padded). Chunking costs one more copy of the buffer each way and,
 for experts whose weight gradient is a GEMM over all rows, one more addition of that gradient per
@@ -44,7 +44,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.func import functional_call
 
-from moetrain import net
+from moetrain import collectives
 from moetrain.moe.experts import Experts, FFNExperts, SwiGLUExperts, mark_expert
 from moetrain.moe.recompute import checkpoint_call
 from moetrain.moe.routing import RoutingPlan
@@ -192,7 +192,7 @@ class ExpertParallel:
         layout = self.layout
         gathered = {}
         for name, param in experts.named_parameters():
-            full = net.all_gather(param, 0, layout.group)
+            full = collectives.all_gather(param, 0, layout.group)
             gathered[name] = full[::layout.replicas] if layout.replicas > 1 else full
         return gathered
 
@@ -265,9 +265,10 @@ class ExpertParallel:
         # number first: the waits' backwards launch every returning chunk's reverse exchange at
         # once, then chunk n-1 to 0 run their expert backward, each launching its dispatch's
         # reverse exchange, which travels while the next chunk's expert backward runs.
-        arriving = [net.all_to_all_start(x_VcD, group) for x_VcD in x_VCD.chunk(overlap, dim=1)]
-        leaving = [net.all_to_all_start(compute(net.exchange_wait(flight)), group) for flight in arriving]
-        returned = [net.exchange_wait(flight) for flight in leaving]
+        arriving = [collectives.all_to_all_start(x_VcD, group) for x_VcD in x_VCD.chunk(overlap, dim=1)]
+        leaving = [collectives.all_to_all_start(compute(collectives.exchange_wait(flight)), group)
+                   for flight in arriving]
+        returned = [collectives.exchange_wait(flight) for flight in leaving]
         y_VCD = returned[0] if overlap == 1 else torch.cat(returned, dim=1)
         if r > 1:
             y_VCD = y_VCD.view(num_experts, r, common, -1).sum(1)
@@ -278,7 +279,7 @@ class ExpertParallel:
         the results leave from there, with no regrouping copies and no NCCL kernel."""
         exchange = self.layout.peer_exchanges.get(group)
         if exchange is None:
-            exchange = self.layout.peer_exchanges[group] = net.PeerMemoryExchange(group)
+            exchange = self.layout.peer_exchanges[group] = collectives.PeerMemoryExchange(group)
         x_LRD = exchange.all_to_all(x_VCD, 0, 1)
         rows = x_LRD.size(1)
         counts = torch.full((local,), rows, dtype=torch.long, device=x_LRD.device)
@@ -303,10 +304,10 @@ class ExpertParallel:
             x_RD, counts_V = buf_RD[:used], counts_E
         local = counts_V.numel() // members
         send_counts_GL = counts_V.view(members, local)
-        recv_counts_GL = net.all_to_all_single(send_counts_GL, group=group)
+        recv_counts_GL = collectives.all_to_all_single(send_counts_GL, group=group)
         send_rows = send_counts_GL.sum(1).tolist()
         recv_rows = recv_counts_GL.sum(1).tolist()
-        recv_RD = net.all_to_all_single(x_RD, recv_rows, send_rows, group=group)
+        recv_RD = collectives.all_to_all_single(x_RD, recv_rows, send_rows, group=group)
 
         # Received blocks are source-major (g, l); the experts want them expert-major (l, g).
         sizes = recv_counts_GL.flatten().tolist()
@@ -317,7 +318,7 @@ class ExpertParallel:
         y_RD = _mean_gradient_experts(experts, params, recv_RD.index_select(0, perm), recv_counts_GL.sum(0), None,
                                       layout.world_size, recompute)
         back_RD = torch.empty_like(perm).index_copy_(0, perm, torch.arange(perm.numel(), device=perm.device))
-        y_RD = net.all_to_all_single(y_RD.index_select(0, back_RD), send_rows, recv_rows, group=group)
+        y_RD = collectives.all_to_all_single(y_RD.index_select(0, back_RD), send_rows, recv_rows, group=group)
 
         if r > 1:
             y_RD = y_RD.new_zeros(used, y_RD.size(-1)).index_add(0, index, y_RD)

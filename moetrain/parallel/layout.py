@@ -62,7 +62,7 @@ class ExpertLayout:
         self.replica_group = None if self.replicas == 1 else self._my_group(
             [self.ranks[e * self.replicas:(e + 1) * self.replicas] for e in range(experts)])
         self._expert_groups = {}
-        # net.PeerMemoryExchange per expert-parallel group, built on first use (exchange="peer_memory")
+        # collectives.PeerMemoryExchange per expert-parallel group, built on first use (exchange="peer_memory")
         # and shared by every layer of this layout: one shared buffer per group, not one per layer.
         self.peer_exchanges = {}
         for r in self.valid_r[1:]:
