@@ -63,3 +63,34 @@ def test_two_workers_match_one_process_and_checkpoint_per_rank(tmp_path):
     directly = json.loads((tmp_path / "direct" / "metrics.json").read_text())
     assert by_conversion["step"] == directly["step"] == 4
     assert directly["train/loss"] == by_conversion["train/loss"] and directly["eval/loss"] == by_conversion["eval/loss"]
+
+
+def test_fsdp_expert_with_checkpointing_and_global_balance_loss_matches_one_process(tmp_path):
+    """parallel=fsdp_expert, full activation checkpointing, async sharded checkpoints and the global-batch
+    balance loss (on: with it the ranks' mean loss is one process's) through the command; one process then
+    resumes the sharded checkpoint directly. A combination FSDP refuses is one line, exit 2."""
+    balance = [arg for arg in TINY if not arg.startswith("gate.balance_loss_weight")] + [
+        "gate.balance_loss_weight=0.1", "gate.balance_loss=global_batch"]
+    single = moetrain(*balance, "data.batch_size=16", "hydra.run.dir=single", cwd=tmp_path)
+    assert single.returncode == 0, single.stderr
+    sharded = moetrain(*balance, "data.batch_size=8", "parallel=fsdp_expert", "parallel.nproc_per_node=2",
+                       "trainer.activation_checkpointing=full", "trainer.async_checkpoint=true", "hydra.run.dir=sharded",
+                       cwd=tmp_path)
+    assert sharded.returncode == 0, sharded.stderr
+    one = json.loads((tmp_path / "single" / "metrics.json").read_text())
+    two = json.loads((tmp_path / "sharded" / "metrics.json").read_text())
+    for key in ("train/loss", "train/aux_loss", "train/grad_norm", "eval/loss"):
+        assert abs(two[key] - one[key]) <= 1e-4 * max(1.0, abs(one[key])), (key, one[key], two[key])
+    step = tmp_path / "sharded" / "checkpoints" / "step_00000003"
+    listed = sorted(line.split()[1] for line in (step / "SHA256SUMS").read_text().splitlines())
+    assert listed == [".metadata", "__0_0.distcp", "__1_0.distcp"]
+
+    resumed = moetrain(*balance, "data.batch_size=16", "trainer.max_steps=4", "hydra.run.dir=resumed",
+                       "trainer.resume=sharded", cwd=tmp_path)
+    assert resumed.returncode == 0, resumed.stderr
+    assert json.loads((tmp_path / "resumed" / "metrics.json").read_text())["step"] == 4
+
+    refused = moetrain(*balance, "parallel=fsdp", "parallel.nproc_per_node=2", "parallel.zero=true",
+                       "hydra.run.dir=refused", cwd=tmp_path)
+    assert refused.returncode == 2 and refused.stderr.count("\n") == 1, refused.stderr
+    assert "zero applies to strategy=data|expert" in refused.stderr
