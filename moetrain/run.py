@@ -153,6 +153,10 @@ def _one_line(error: BaseException) -> str:
     return " ".join(str(error).split())
 
 
+# In a sharded (DCP) checkpoint's state: where the weights are read from once the model exists.
+_SHARDED_WEIGHTS = "sharded_weights_dir"
+
+
 def _step_of(entry: Path) -> int:
     return int(_STEP.match(entry.name).group(1))
 
@@ -164,6 +168,13 @@ def _read(entry: Path) -> dict:
     if not entry.is_dir():
         return checkpoint.load(entry)
     from moetrain.parallel import checkpoint as shards  # torch.distributed only for per-rank checkpoints
+    from moetrain.parallel import sharded_checkpoint as sharded
+
+    if sharded.is_sharded_checkpoint(entry):
+        # DCP (parallel=fsdp|fsdp_expert): the trainer's state now, the weights once the model is built.
+        sharded.verify(entry)
+        loaded = sharded.load({"model": {}, "trainer": sharded.blob(None)}, entry, distributed=False)
+        return {**sharded.unblob(loaded["trainer"]), _SHARDED_WEIGHTS: entry}
 
     try:
         return shards.consolidate(shards.load_shards(str(entry)))
@@ -217,8 +228,14 @@ def load_run(run_dir: str | Path, step: int | None = None, device: str | torch.d
     data = build_data(config["data"], int(config.get("seed", 0)))
     model = build_model(config, data.model_inputs)
     try:
-        model.load_state_dict(state["model"])
-    except RuntimeError as error:
+        if _SHARDED_WEIGHTS in state:
+            from moetrain.parallel import sharded_checkpoint as sharded
+
+            weights = model.state_dict()
+            sharded.load({"model": weights}, state[_SHARDED_WEIGHTS], distributed=False)  # in place
+        else:
+            model.load_state_dict(state["model"])
+    except (RuntimeError, checkpoint.CheckpointError) as error:
         first = next((line.strip() for line in str(error).splitlines()[1:] if line.strip()), _one_line(error))
         raise RunError(f"{path} does not fit the model its own config builds ({first}): was the data it was "
                        "trained on changed since? (the data fixes the vocabulary, sequence and image sizes)") from None

@@ -13,6 +13,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+from moetrain import load_run
+from moetrain.evaluate import evaluate_run
+
 TINY = [
     "+recipe=quickstart", "model.dim=16", "model.depth=2", "model.num_heads=2", "model.num_experts=4",
     "model.expert_hidden_size=32", "trainer.max_steps=3", "trainer.eval_every=0", "trainer.eval_batches=2",
@@ -84,6 +87,13 @@ def test_fsdp_expert_with_checkpointing_and_global_balance_loss_matches_one_proc
     step = tmp_path / "sharded" / "checkpoints" / "step_00000003"
     listed = sorted(line.split()[1] for line in (step / "SHA256SUMS").read_text().splitlines())
     assert listed == [".metadata", "__0_0.distcp", "__1_0.distcp"]
+
+    # The sharded run loads in one process (load_run, hence moetrain eval|generate|export) with the
+    # weights it evaluated with at its last step.
+    run = load_run(tmp_path / "sharded")
+    assert run.step == 3 and run.checkpoint == step
+    metrics = evaluate_run(run, progress=False)
+    assert abs(metrics["eval/loss"] - two["eval/loss"]) <= 1e-5 * max(1.0, abs(two["eval/loss"]))
 
     resumed = moetrain(*balance, "data.batch_size=16", "trainer.max_steps=4", "hydra.run.dir=resumed",
                        "trainer.resume=sharded", cwd=tmp_path)
