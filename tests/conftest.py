@@ -8,6 +8,7 @@ the GPU tests per marker."""
 from __future__ import annotations
 
 import gzip
+import logging
 import pickle
 import re
 import struct
@@ -17,6 +18,22 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+
+
+@pytest.fixture(autouse=True)
+def _logging_handlers_restored():
+    """In-process runs of the command let Hydra configure logging, with handlers on the streams of
+    the test that ran them (captured, closed afterwards): every test starts and ends with the logging
+    handlers and levels it found, so no later test writes into a closed stream."""
+    loggers = [logging.getLogger()] + [logger for logger in logging.root.manager.loggerDict.values()
+                                       if isinstance(logger, logging.Logger)]
+    saved = [(logger, list(logger.handlers), logger.level, logger.propagate) for logger in loggers]
+    yield
+    for logger, handlers, level, propagate in saved:
+        logger.handlers[:] = handlers
+        logger.setLevel(level)
+        logger.propagate = propagate
+
 
 GPU_MARKERS = {"cuda": 1, "multigpu": 2}  # marker -> CUDA GPUs it needs
 GPU_COMMAND = 'python -m pytest -m "cuda or multigpu"'
