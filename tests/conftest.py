@@ -33,6 +33,10 @@ def _logging_handlers_restored():
         logger.handlers[:] = handlers
         logger.setLevel(level)
         logger.propagate = propagate
+    known = {id(logger) for logger in loggers}
+    for logger in logging.root.manager.loggerDict.values():  # loggers the test made keep no handler of its
+        if isinstance(logger, logging.Logger) and id(logger) not in known:
+            logger.handlers[:] = [h for h in logger.handlers if isinstance(h, logging.NullHandler)]
 
 
 GPU_MARKERS = {"cuda": 1, "multigpu": 2}  # marker -> CUDA GPUs it needs
