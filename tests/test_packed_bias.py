@@ -6,6 +6,7 @@ import torch
 
 from moetrain import MoELayer
 from moetrain.ops import packed_bias
+from moetrain.ops.grouped import expert_of_rows
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU")
 
@@ -15,7 +16,7 @@ def test_expert_of_rows_matches_a_loop(counts):
     counts_E = torch.tensor(counts)
     rows = sum(counts) + 3  # padding rows go to the last expert
     want = [e for e, c in enumerate(counts) for _ in range(c)] + [len(counts) - 1] * 3
-    got = packed_bias.expert_of_rows(counts_E, rows)
+    got = expert_of_rows(counts_E, rows)
     assert got.dtype == torch.int32 and got.tolist() == want
 
 
@@ -27,7 +28,7 @@ def test_expert_of_rows_matches_a_loop(counts):
 def test_packed_bias_act_matches_torch(dtype, rows, cols, experts, relu):
     counts = torch.multinomial(torch.ones(experts), rows, replacement=True).bincount(minlength=experts) if rows else torch.zeros(experts, dtype=torch.long)
     counts_E = counts.cuda()
-    expert_R = packed_bias.expert_of_rows(counts_E, rows)
+    expert_R = expert_of_rows(counts_E, rows)
     y = torch.randn(rows, cols, device="cuda", dtype=dtype, requires_grad=True)
     b = torch.randn(experts, cols, device="cuda", dtype=dtype, requires_grad=True)
     assert packed_bias.kernel_runs(y, b)

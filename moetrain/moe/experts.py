@@ -22,7 +22,7 @@ from torch import nn
 
 from moetrain import ops
 from moetrain.ops import packed_bias, swiglu
-from moetrain.ops.grouped import add_expert_bias, expert_matmul, padded_matmul, padded_uses_bmm
+from moetrain.ops.grouped import add_expert_bias, expert_matmul, expert_of_rows, padded_matmul, padded_uses_bmm
 
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {"relu": F.relu, "gelu": F.gelu, "silu": F.silu}
 
@@ -103,7 +103,7 @@ class FFNExperts(Experts):
         pass over its output (moetrain.ops.packed_bias) instead of a one-hot GEMM epilogue and an
         activation pass."""
         relu = self.activation == "relu"
-        expert_R = packed_bias.expert_of_rows(counts_E, h_RH.size(0))
+        expert_R = expert_of_rows(counts_E, h_RH.size(0))
         h_RH = packed_bias.packed_bias_act(h_RH, self.b1.to(h_RH.dtype), expert_R, relu)
         if not relu:
             h_RH = self.act(h_RH)

@@ -133,6 +133,15 @@ def expert_matmul(
     return torch.cat([x @ w for x, w in zip(torch.split(x_RI, counts), w_EIO)])
 
 
+def expert_of_rows(counts_E: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """int32 [R]: the expert that owns each row of the packed layout (rows past the last expert's go
+    to the last expert; their outputs are never read)."""
+    ends_E = torch.cumsum(counts_E, 0)
+    rows_R = torch.arange(num_rows, device=counts_E.device)
+    expert_R = torch.searchsorted(ends_E, rows_R, right=True, out_int32=True)
+    return expert_R.clamp_(max=counts_E.numel() - 1)
+
+
 def _expert_one_hot(num_experts: int, counts_E: torch.Tensor, capacity: int | None, num_rows: int,
                     dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """[R, E] with a 1 at each row's expert; padding rows of the packed layout are all zero."""
@@ -161,9 +170,7 @@ def expert_bias(b_EO: torch.Tensor, counts_E: torch.Tensor, capacity: int | None
         return _expert_one_hot(num_experts, counts_E, capacity, num_rows, b_EO.dtype, b_EO.device) @ b_EO
     if capacity is not None:
         return b_EO.repeat_interleave(capacity, dim=0)
-    ends_E = torch.cumsum(counts_E, 0)
-    row_expert_R = torch.searchsorted(ends_E, torch.arange(num_rows, device=b_EO.device), right=True)
-    row_expert_R = row_expert_R.clamp(max=num_experts - 1)
+    row_expert_R = expert_of_rows(counts_E.to(b_EO.device), num_rows)
     if b_EO.device.type == "cpu":
         # index_select's gradient is index_add_, a plain loop on the CPU: 3-8x faster than the
         # index_put that indexing's gradient runs (on CUDA index_add_ would use atomics instead).

@@ -4,8 +4,8 @@ In the packed (dropless) layout expert e owns the rows between the cumulative co
 bias must be found before it is added. torch adds it as one_hot_RE @ b_EO in a GEMM epilogue
 (addmm) and applies ReLU in a second pass; on an H200 that GEMM moves the output at about a third of
 the memory bandwidth. Here a Triton kernel reads each row's expert from expert_R (one int32 per row,
-made once per layer call by expert_of_rows) and the bias row from L2, and writes act(y + b) in one
-read and one write. The backward is ReLU's mask (torch's threshold_backward, one pass) and the bias
+made once per layer call by moetrain.ops.grouped.expert_of_rows) and the bias row from L2, and
+writes act(y + b) in one read and one write. The backward is ReLU's mask (torch's threshold_backward, one pass) and the bias
 gradient as one_hot_RE.T @ grad, a GEMM whose sum per expert is deterministic.
 
 CUDA only (kernel_runs()); moetrain.ops.grouped.add_expert_bias is the torch path for everything
@@ -23,15 +23,6 @@ except ImportError:
     triton = None
 
 _BLOCK_ROWS, _BLOCK_COLS = 16, 256
-
-
-def expert_of_rows(counts_E: torch.Tensor, num_rows: int) -> torch.Tensor:
-    """int32 [R]: the expert that owns each row of the packed layout (rows past the last expert's go
-    to the last expert; their outputs are never read)."""
-    ends_E = torch.cumsum(counts_E, 0)
-    rows_R = torch.arange(num_rows, device=counts_E.device)
-    expert_R = torch.searchsorted(ends_E, rows_R, right=True, out_int32=True)
-    return expert_R.clamp_(max=counts_E.numel() - 1)
 
 
 if triton is not None:
