@@ -182,15 +182,21 @@ def _distributed_setup(num_experts, r_schedule, zero, trainer_clips):
     return model, optimizer, scheduler
 
 
+def _reference(num_experts):
+    """The one-process model every run is checked against (rank 0's initial weights), its optimizer
+    and schedule, as the distributed runs set theirs up."""
+    torch.manual_seed(2)
+    reference = TinyMoEModel(num_experts).to(DEVICE)
+    optimizer = torch.optim.AdamW(reference.parameters(), lr=0.01, eps=1e-6)
+    return reference, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 0.8**step)
+
+
 def _run_training(results, tag, num_experts, r_schedule, zero, checkpoint_dir, trainer_clips=False):
     """STEPS steps against the reference; after step 2 the run restarts from its state dicts.
     trainer_clips: clip through optimizer.clip_grad_norm_ (as the trainer does) instead of step()."""
     rank, world = dist.get_rank(), dist.get_world_size()
     model, optimizer, scheduler = _distributed_setup(num_experts, r_schedule, zero, trainer_clips)
-    torch.manual_seed(2)
-    reference = TinyMoEModel(num_experts).to(DEVICE)  # rank 0's initial weights
-    ref_opt = torch.optim.AdamW(reference.parameters(), lr=0.01, eps=1e-6)
-    ref_scheduler = torch.optim.lr_scheduler.LambdaLR(ref_opt, lambda step: 0.8**step)
+    reference, ref_opt, ref_scheduler = _reference(num_experts)
     output_err = norm_err = 0.0
     for step in range(STEPS):
         batches = _batches(world, step)
@@ -264,10 +270,7 @@ def _run_fsdp_training(results, tag, num_experts, expert_parallel):
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.01, eps=1e-6)
     sync_router_biases_after_step(optimizer, model)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 0.8**step)
-    torch.manual_seed(2)
-    reference = TinyMoEModel(num_experts).to(DEVICE)
-    ref_opt = torch.optim.AdamW(reference.parameters(), lr=0.01, eps=1e-6)
-    ref_scheduler = torch.optim.lr_scheduler.LambdaLR(ref_opt, lambda step: 0.8**step)
+    reference, ref_opt, ref_scheduler = _reference(num_experts)
     output_err = norm_err = 0.0
     for step in range(STEPS):
         batches = _batches(world, step)
