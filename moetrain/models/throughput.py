@@ -24,7 +24,7 @@ from moetrain.timing import median_ms, peak_bf16_flops
 from moetrain.models.anatomy import anatomy_table, step_anatomy
 from moetrain.models.lm import MoETransformerLM, flops_per_token, parameter_counts
 from moetrain.models.presets import PRESETS, build_lm
-from moetrain.moe import moe_layers, update_router_biases
+from moetrain.moe import moe_layers, recompute, update_router_biases
 
 def model_flops_utilization(tokens_per_second: float, model: MoETransformerLM, seq_len: int, device) -> float | None:
     peak = peak_bf16_flops(device)
@@ -88,6 +88,9 @@ def main(argv=None) -> dict:
                         help="weights and activations; routers stay float32")
     parser.add_argument("--impl", default="kernel", choices=["kernel", "torch"], help="MoE dispatch path")
     parser.add_argument("--compile", action="store_true", help="torch.compile each transformer block")
+    parser.add_argument("--activation-checkpointing", default="none", choices=list(recompute.MODES),
+                        help="recompute in the backward: selective (attention and the experts' hidden "
+                             "activations, never the routing) or full (each block)")
     parser.add_argument("--anatomy", action="store_true",
                         help="also time each part of the step alone and print where the step's time goes "
                              "(moetrain.models.anatomy)")
@@ -100,11 +103,13 @@ def main(argv=None) -> dict:
     for layer in moe_layers(model):
         layer.gate.float()
     model.reset_rotary()
+    recompute.set_activation_checkpointing(model, args.activation_checkpointing)
     if args.compile:
         for block in model.blocks:
             block.compile()
     result = {"preset": args.preset, "device": str(args.device), "dtype": args.dtype, "impl": args.impl,
-              "compile": args.compile, **measure(model, args.batch_size, args.seq_len, args.steps, args.warmup)}
+              "compile": args.compile,
+              "activation_checkpointing": args.activation_checkpointing, **measure(model, args.batch_size, args.seq_len, args.steps, args.warmup)}
     if result["device"].startswith("cuda"):
         result["device_name"] = torch.cuda.get_device_name()
         result["max_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
