@@ -24,6 +24,15 @@ from moetrain import ops
 from moetrain.ops import packed_bias, swiglu
 from moetrain.ops.grouped import add_expert_bias, expert_matmul, expert_of_rows, padded_matmul, padded_uses_bmm
 
+PRECISIONS = ("bf16", "fp8")  # how the expert GEMMs multiply (Experts.precision)
+
+
+def check_precision(precision) -> str:
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {list(PRECISIONS)}, got {precision!r}")
+    return precision
+
+
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {"relu": F.relu, "gelu": F.gelu, "silu": F.silu}
 
 
@@ -52,9 +61,13 @@ class Experts(nn.Module):
     """Base class for routed experts: num_experts independent networks model_dim -> model_dim.
 
     impl ("kernel" or "torch", set by MoELayer to its own) says whether compiled kernels may be
-    used inside the experts (FFNExperts' fused epilogue); "torch" keeps them pure torch."""
+    used inside the experts (FFNExperts' fused epilogue); "torch" keeps them pure torch.
+    precision ("bf16" or "fp8", set by MoELayer to its own) is how the expert GEMMs multiply:
+    "bf16" in the operands' dtype, "fp8" every GEMM of forward and backward in FP8
+    (moetrain.quant.training); custom experts call self.matmul to follow it."""
 
     impl: str = "torch"
+    precision: str = "bf16"
 
     def __init__(self, num_experts: int, model_dim: int, hidden_size: int):
         super().__init__()
@@ -64,6 +77,15 @@ class Experts(nn.Module):
 
     def forward(self, x_RD: torch.Tensor, counts_E: torch.Tensor, capacity: int | None) -> torch.Tensor:
         raise NotImplementedError  # pragma: no cover - interface
+
+    def matmul(self, x_RI: torch.Tensor, w_EIO: torch.Tensor, counts_E, capacity: int | None) -> torch.Tensor:
+        """expert_matmul in this experts' precision."""
+        if self.precision == "fp8":
+            # Imported here: moetrain.quant's package imports this module.
+            from moetrain.quant.training import fp8_expert_matmul  # noqa: PLC0415
+
+            return fp8_expert_matmul(x_RI, w_EIO, counts_E, capacity)
+        return expert_matmul(x_RI, w_EIO, counts_E, capacity)
 
 
 class FFNExperts(Experts):
@@ -79,13 +101,14 @@ class FFNExperts(Experts):
         self.b2 = mark_expert(nn.Parameter(torch.zeros(num_experts, model_dim)))
 
     def forward(self, x_RD, counts_E, capacity):
-        if capacity is not None and self.impl == "kernel" and padded_uses_bmm():
+        fused = self.impl == "kernel"
+        if capacity is not None and fused and padded_uses_bmm() and self.precision == "bf16":
             return self._padded_fused(x_RD, capacity)
-        h_RH = expert_matmul(x_RD, self.w1, counts_E, capacity)
-        if capacity is None and self.impl == "kernel" and packed_bias.kernel_runs(h_RH, self.b1.to(h_RH.dtype)):
+        h_RH = self.matmul(x_RD, self.w1, counts_E, capacity)
+        if capacity is None and fused and packed_bias.kernel_runs(h_RH, self.b1.to(h_RH.dtype)):
             return self._packed_fused(h_RH, counts_E)
         h_RH = self.act(add_expert_bias(h_RH, self.b1, counts_E, capacity))
-        return add_expert_bias(expert_matmul(h_RH, self.w2, counts_E, capacity), self.b2, counts_E, capacity)
+        return add_expert_bias(self.matmul(h_RH, self.w2, counts_E, capacity), self.b2, counts_E, capacity)
 
     def _padded_fused(self, x_RD, capacity):
         """Padded layout: each GEMM's bias (and the ReLU) added in place in one pass over its output
@@ -107,7 +130,7 @@ class FFNExperts(Experts):
         h_RH = packed_bias.packed_bias_act(h_RH, self.b1.to(h_RH.dtype), expert_R, relu)
         if not relu:
             h_RH = self.act(h_RH)
-        y_RD = expert_matmul(h_RH, self.w2, counts_E, None)
+        y_RD = self.matmul(h_RH, self.w2, counts_E, None)
         return packed_bias.packed_bias_act(y_RD, self.b2.to(y_RD.dtype), expert_R, False)
 
 
@@ -143,9 +166,9 @@ class SwiGLUExperts(Experts):
         return swiglu.split_gate_up(self.w_gate_up)[1]
 
     def forward(self, x_RD, counts_E, capacity):
-        gate_up_RH2 = expert_matmul(x_RD, self.w_gate_up, counts_E, capacity)
+        gate_up_RH2 = self.matmul(x_RD, self.w_gate_up, counts_E, capacity)
         h_RH = swiglu.gated_activation(gate_up_RH2, self.activation, self.impl)
-        return expert_matmul(h_RH, self.w_down, counts_E, capacity)
+        return self.matmul(h_RH, self.w_down, counts_E, capacity)
 
 
 def _fuse_gate_up_entries(module, state_dict, prefix, *args) -> None:

@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from moetrain import ops
 from moetrain.moe import losses, recompute
-from moetrain.moe.experts import DenseFeedForward, activation_fn, build_experts
+from moetrain.moe.experts import DenseFeedForward, activation_fn, build_experts, check_precision
 from moetrain.moe.gates import Gate, build_gate
 from moetrain.moe.routing import RoutingPlan, make_plan
 
@@ -90,6 +90,7 @@ class MoELayer(nn.Module):
         batch_prioritized: bool = False,
         impl: str = "kernel",
         gate_kwargs: dict | None = None,
+        precision: str = "bf16",
     ):
         super().__init__()
         self.model_dim = _positive_int("model_dim", model_dim)
@@ -116,6 +117,7 @@ class MoELayer(nn.Module):
         self.experts = build_experts(expert, num_experts, model_dim, hidden_size, activation)
         # Compiled kernels inside the gate and the experts follow the layer's choice.
         self.gate.impl = self.experts.impl = self.impl
+        self.precision = precision
         self.shared = None
         if num_shared_experts:
             kind = "swiglu" if expert == "swiglu" else "ffn"
@@ -133,6 +135,16 @@ class MoELayer(nn.Module):
         # hidden activations are recomputed in backward from the dispatched buffer.
         self.recompute_experts = False
 
+    @property
+    def precision(self) -> str:
+        """How the routed experts' GEMMs multiply: "bf16" (in the operands' dtype) or "fp8" (every
+        expert GEMM of forward and backward in FP8, moetrain.quant.training). Settable."""
+        return self.experts.precision
+
+    @precision.setter
+    def precision(self, precision: str) -> None:
+        self.experts.precision = check_precision(precision)
+
     def _check_top_k(self, top_k) -> int:
         if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= self.num_experts:
             raise ValueError(f"top_k must be an integer in [1, num_experts={self.num_experts}], got {top_k!r}")
@@ -146,7 +158,7 @@ class MoELayer(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"model_dim={self.model_dim}, num_experts={self.num_experts}, top_k={self.top_k}, "
-                f"capacity_factor={self.capacity_factor}, impl={self.impl!r}")
+                f"capacity_factor={self.capacity_factor}, impl={self.impl!r}, precision={self.precision!r}")
 
     def forward(self, x: torch.Tensor, top_k: int | None = None, capacity_factor: float | None = None,
                 adaptive_r: int | None = None, a2a_ffn_overlap_degree: int | None = None) -> torch.Tensor:
