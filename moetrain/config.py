@@ -48,6 +48,7 @@ class Precision(Enum):
     auto = "auto"  # bf16 autocast on CUDA, fp32 on CPU
     bf16 = "bf16"
     fp32 = "fp32"
+    fp8 = "fp8"  # bf16 autocast and every expert GEMM in FP8 (moetrain.quant.training); CPU: fp32, FP8 emulated
 
 
 class NonFinite(Enum):

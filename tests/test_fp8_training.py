@@ -22,6 +22,7 @@ BF16_ULP = 2.0**-7  # a bfloat16 rounding of the output: at most half of this, r
 
 
 def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
+    got, want = got.detach().cpu(), want.detach().cpu()
     return ((got.double() - want.double()).norm() / want.double().norm().clamp_min(1e-30)).item()
 
 

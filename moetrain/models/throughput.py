@@ -95,6 +95,9 @@ def main(argv=None) -> dict:
                         help="also time each part of the step alone and print where the step's time goes "
                              "(moetrain.models.anatomy)")
     args = parser.parse_args(argv)
+    if args.compile and args.activation_checkpointing == "full":
+        parser.error("--activation-checkpointing full cannot be compiled (torch.compile does not trace the routing "
+                     "replay of recomputed MoE blocks); use selective, or leave out --compile")
 
     moe_kwargs = {**PRESETS[args.preset].moe_kwargs, "impl": args.impl}
     with torch.device(args.device):

@@ -63,6 +63,8 @@ def quantize_weight(w_EKN: torch.Tensor, over: int) -> tuple[torch.Tensor, torch
     """E4M3 copy of w with one fp32 scale per column (over=1: scales [E, N], values stored [E, N, K]
     contiguous) or per row (over=2: scales [E, K], values [E, K, N]): both are the layouts the
     grouped GEMM reads its second operand in (K-major for the forward, N-major for dgrad)."""
+    if w_EKN.is_cuda and triton is not None:
+        return _quantize_weight_cuda(w_EKN.contiguous(), over)
     w = w_EKN.float()
     amax, finite = finite_amax(w, over)
     scale = fp8_scale(amax, finite)
@@ -113,56 +115,96 @@ def quantize_columns(x_RC: torch.Tensor, counts_E: torch.Tensor, padded_rows: in
 if triton is not None:
 
     @triton.jit
-    def _quantize_columns_kernel(x_ptr, ends_ptr, padded_ends_ptr, q_ptr, scale_ptr, C, P,
-                                 BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
-        """One program: one expert, BLOCK_C columns. Pass 1 finds each column's largest finite
-        magnitude over the expert's rows, pass 2 writes the scaled E4M3 values transposed, with
-        zeros in the expert's padding columns. The arithmetic is formats.fp8_scale's and
-        e4m3_encode's: IEEE division, saturation, round to nearest even."""
-        e = tl.program_id(0)
+    def _row_experts(expert_ptr, rows, row_ok, rows_per_matrix, PACKED: tl.constexpr):
+        """The expert of each row: from the per-row map (PACKED) or a stack of equal matrices."""
+        if PACKED:
+            return tl.load(expert_ptr + rows, mask=row_ok, other=0)
+        return rows // rows_per_matrix
+
+    @triton.jit
+    def _column_amax_kernel(x_ptr, expert_ptr, amax_ptr, R, C, rows_per_matrix,
+                            PACKED: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+        """amax[e, c] = max over expert e's rows of |x[r, c]|, +Inf where one of them is not finite.
+        One program per tile of rows and columns; each expert the tile holds takes an atomic max."""
+        rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
         cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-        col_ok = cols < C
-        start = tl.where(e > 0, tl.load(ends_ptr + e - 1, mask=e > 0, other=0), 0)
-        end = tl.load(ends_ptr + e)
-        padded_start = tl.where(e > 0, tl.load(padded_ends_ptr + e - 1, mask=e > 0, other=0), 0)
-        padded_end = tl.load(padded_ends_ptr + e)
-        amax = tl.zeros((BLOCK_C,), dtype=tl.float32)
-        finite_all = tl.full((BLOCK_C,), 1, dtype=tl.int32)
-        for r0 in range(start, end, BLOCK_R):
-            rows = r0 + tl.arange(0, BLOCK_R)
-            mask = (rows < end)[:, None] & col_ok[None, :]
-            x = tl.load(x_ptr + rows.to(tl.int64)[:, None] * C + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-            finite = tl.abs(x) < float("inf")
-            amax = tl.maximum(amax, tl.max(tl.where(finite & mask, tl.abs(x), 0.0), axis=0))
-            finite_all = tl.minimum(finite_all, tl.min(tl.where(mask, finite, True).to(tl.int32), axis=0))
+        row_ok, col_ok = rows < R, cols < C
+        x = tl.load(x_ptr + rows.to(tl.int64)[:, None] * C + cols[None, :], mask=row_ok[:, None] & col_ok[None, :],
+                    other=0.0).to(tl.float32)
+        magnitude = tl.where(tl.abs(x) < float("inf"), tl.abs(x), float("inf"))  # NaN counts as +Inf
+        expert = _row_experts(expert_ptr, rows, row_ok, rows_per_matrix, PACKED)
+        first = tl.min(tl.where(row_ok, expert, 2**30))
+        last = tl.max(tl.where(row_ok, expert, -1))
+        for e in range(first, last + 1):
+            mine = tl.max(tl.where((expert == e)[:, None], magnitude, 0.0), axis=0)
+            tl.atomic_max(amax_ptr + e * C + cols, mine, mask=col_ok, sem="relaxed")
+
+    @triton.jit
+    def _quantize_transposed_kernel(x_ptr, expert_ptr, ends_ptr, padded_ends_ptr, amax_ptr, q_ptr, scale_ptr, R, C,
+                                    rows_per_matrix, stride_qe, stride_qc, PACKED: tl.constexpr,
+                                    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+        """q[c, at(r)] = x[r, c] / scale[e(r), c] in E4M3, scale = amax / 448 (1 for a zero column,
+        NaN for a non-finite one): formats.fp8_scale and e4m3_encode's arithmetic (IEEE division,
+        saturation, round to nearest even). at(r): PACKED, the row's place among its expert's rows
+        padded to ALIGN (q is one [C, P]); otherwise its place in its matrix (q is [E, C, rows])."""
+        rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+        cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+        row_ok, col_ok = rows < R, cols < C
+        mask = row_ok[:, None] & col_ok[None, :]
+        x = tl.load(x_ptr + rows.to(tl.int64)[:, None] * C + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        expert = _row_experts(expert_ptr, rows, row_ok, rows_per_matrix, PACKED)
+        amax = tl.load(amax_ptr + expert[:, None] * C + cols[None, :], mask=mask, other=0.0)
         scale = tl.where(amax > 0, tl.math.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32)), 1.0)
-        scale = tl.where(finite_all == 1, scale, float("nan"))
-        tl.store(scale_ptr + e * C + cols, scale, mask=col_ok)
-        for p0 in range(padded_start, padded_end, BLOCK_R):
-            local = p0 - padded_start + tl.arange(0, BLOCK_R)
-            rows = start + local
-            mask = (rows < end)[:, None] & col_ok[None, :]
-            x = tl.load(x_ptr + rows.to(tl.int64)[:, None] * C + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-            scaled = tl.math.div_rn(x, tl.broadcast_to(scale[None, :], x.shape))
-            scaled = tl.clamp(scaled, -448.0, 448.0, propagate_nan=tl.PropagateNan.ALL)
-            q = tl.where(mask, scaled, 0.0).to(tl.float8e4nv).to(tl.uint8, bitcast=True)
-            out_mask = ((p0 + tl.arange(0, BLOCK_R)) < padded_end)[:, None] & col_ok[None, :]
-            tl.store(q_ptr + cols.to(tl.int64)[None, :] * P + (p0 + tl.arange(0, BLOCK_R))[:, None], q, mask=out_mask)
+        scale = tl.where(amax < float("inf"), scale, float("nan"))
+        if PACKED:
+            start = tl.load(ends_ptr + expert - 1, mask=row_ok & (expert > 0), other=0)
+            at = rows - start + tl.load(padded_ends_ptr + expert - 1, mask=row_ok & (expert > 0), other=0)
+            offsets = cols.to(tl.int64)[None, :] * stride_qc + at[:, None]
+        else:
+            start = expert * rows_per_matrix
+            offsets = expert.to(tl.int64)[:, None] * stride_qe + cols[None, :] * stride_qc + (rows - start)[:, None]
+        scaled = tl.clamp(tl.math.div_rn(x, scale), -448.0, 448.0, propagate_nan=tl.PropagateNan.ALL)
+        tl.store(q_ptr + offsets, scaled.to(tl.float8e4nv).to(tl.uint8, bitcast=True), mask=mask)
+        first_row_of_expert = mask & (rows == start)[:, None]
+        tl.store(scale_ptr + expert[:, None] * C + cols[None, :], scale, mask=first_row_of_expert)
+
+
+_BLOCK_R, _BLOCK_C = 64, 128
+
+
+def _quantize_transposed(x_RC: torch.Tensor, num_experts: int, counts_E: torch.Tensor | None, q: torch.Tensor,
+                         scale_EC: torch.Tensor, stride_qe: int, stride_qc: int) -> None:
+    """Launch the two kernels above: per-(expert, column) amax, then quantize and write transposed.
+    counts_E: the packed layout's rows per expert; None: x is num_experts equal matrices stacked."""
+    rows, cols = x_RC.shape
+    amax_EC = torch.zeros(num_experts, cols, dtype=torch.float32, device=x_RC.device)
+    grid = (triton.cdiv(rows, _BLOCK_R), triton.cdiv(cols, _BLOCK_C))
+    packed = counts_E is not None
+    if packed:
+        ends_E = torch.cumsum(counts_E, 0, dtype=torch.int32)
+        padded_ends_E = padded_ends(counts_E)
+        expert_R = torch.searchsorted(ends_E, torch.arange(rows, device=x_RC.device, dtype=torch.int32), right=True,
+                                      out_int32=True)
+    else:
+        ends_E = padded_ends_E = expert_R = amax_EC  # unread
+    rows_per_matrix = 1 if packed else rows // num_experts
+    with torch.cuda.device(x_RC.device):
+        _column_amax_kernel[grid](x_RC, expert_R, amax_EC, rows, cols, rows_per_matrix, PACKED=packed,
+                                  BLOCK_R=_BLOCK_R, BLOCK_C=_BLOCK_C, num_warps=4)
+        _quantize_transposed_kernel[grid](
+            x_RC, expert_R, ends_E, padded_ends_E, amax_EC, q, scale_EC, rows, cols, rows_per_matrix, stride_qe,
+            stride_qc, PACKED=packed, BLOCK_R=_BLOCK_R, BLOCK_C=_BLOCK_C, num_warps=4)
 
 
 @torch.library.custom_op("moetrain::fp8_quantize_columns", mutates_args=(), device_types="cuda")
 def _quantize_columns_cuda(x_RC: torch.Tensor, counts_E: torch.Tensor, padded_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
     cols, num_experts = x_RC.size(1), counts_E.numel()
-    q_CP = torch.empty(cols, padded_rows, dtype=torch.uint8, device=x_RC.device)
-    scale_EC = torch.empty(num_experts, cols, dtype=torch.float32, device=x_RC.device)
-    if num_experts and cols and padded_rows:
-        ends = torch.cumsum(counts_E, 0, dtype=torch.int32)
-        with torch.cuda.device(x_RC.device):
-            _quantize_columns_kernel[(num_experts, triton.cdiv(cols, 64))](
-                x_RC, ends, padded_ends(counts_E), q_CP, scale_EC, cols, padded_rows, BLOCK_R=64, BLOCK_C=64,
-                num_warps=4)
-    elif num_experts and cols:
-        scale_EC.fill_(1.0)
+    # zeros: the padding columns of every expert stay zero (the kernel writes only real rows)
+    q_CP = torch.zeros(cols, padded_rows, dtype=torch.uint8, device=x_RC.device)
+    # ones: the scale of an expert without rows (the kernel writes a scale at each expert's first row)
+    scale_EC = torch.ones(num_experts, cols, dtype=torch.float32, device=x_RC.device)
+    if num_experts and cols and x_RC.size(0):
+        _quantize_transposed(x_RC, num_experts, counts_E, q_CP, scale_EC, 0, padded_rows)
     return q_CP.view(torch.float8_e4m3fn), scale_EC
 
 
@@ -171,6 +213,29 @@ def _(x_RC, counts_E, padded_rows):
     cols = x_RC.size(1)
     return (x_RC.new_empty(cols, padded_rows, dtype=torch.float8_e4m3fn),
             x_RC.new_empty(counts_E.numel(), cols, dtype=torch.float32))
+
+
+@torch.library.custom_op("moetrain::fp8_quantize_weight", mutates_args=(), device_types="cuda")
+def _quantize_weight_cuda(w_EKN: torch.Tensor, over: int) -> tuple[torch.Tensor, torch.Tensor]:
+    num_experts, k, n = w_EKN.shape
+    if over == 2:  # per row over N: each row of the stacked [E * K, N] is one scaling group
+        from moetrain.quant import kernels  # noqa: PLC0415
+
+        q, scale = kernels.quantize_fp8(w_EKN.view(num_experts * k, n), n)
+        return q.view(num_experts, k, n), scale.view(num_experts, k)
+    q_ENK = torch.empty(num_experts, n, k, dtype=torch.uint8, device=w_EKN.device)
+    scale_EN = torch.ones(num_experts, n, dtype=torch.float32, device=w_EKN.device)
+    if w_EKN.numel():
+        _quantize_transposed(w_EKN.view(num_experts * k, n), num_experts, None, q_ENK, scale_EN, n * k, k)
+    return q_ENK.view(torch.float8_e4m3fn), scale_EN
+
+
+@_quantize_weight_cuda.register_fake
+def _(w_EKN, over):
+    e, k, n = w_EKN.shape
+    if over == 2:
+        return w_EKN.new_empty(e, k, n, dtype=torch.float8_e4m3fn), w_EKN.new_empty(e, k, dtype=torch.float32)
+    return w_EKN.new_empty(e, n, k, dtype=torch.float8_e4m3fn), w_EKN.new_empty(e, n, dtype=torch.float32)
 
 
 # ---------------------------------------------------------------- GEMMs

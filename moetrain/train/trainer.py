@@ -38,6 +38,7 @@ from moetrain.config import ConfigError, Device, LoggerConfig, NonFinite, OptimC
 from moetrain.data import DataModule
 from moetrain.moe import MoELayer, update_router_biases
 from moetrain.moe.recompute import set_activation_checkpointing
+from moetrain.quant.training import fp8_supported
 from moetrain.train import checkpoint
 from moetrain.train.metrics import TensorBoard, append_metrics, flatten, load_postfix, training_throughput
 from moetrain.train.optim import build_scheduler
@@ -101,7 +102,17 @@ class Trainer:
         self.run_dir, self.run_config = Path(run_dir), run_config
         self.strategy = strategy or SingleProcess()
         self.device = resolve_device(trainer.device)
-        bf16 = trainer.precision == Precision.bf16 or (trainer.precision == Precision.auto and self.device.type == "cuda")
+        bf16 = (trainer.precision in (Precision.bf16, Precision.fp8)
+                or (trainer.precision == Precision.auto and self.device.type == "cuda"))
+        if trainer.precision == Precision.fp8:
+            bf16 = self.device.type == "cuda"  # on the CPU the FP8 GEMMs are emulated in fp32
+            supported, why = fp8_supported(self.device)
+            if not supported:
+                raise ConfigError(f"trainer.precision=fp8 needs an sm90+ GPU or the CPU, not {why}; "
+                                  "use trainer.precision=bf16")
+            for layer in model.modules():
+                if isinstance(layer, MoELayer):
+                    layer.precision = "fp8"
         self.autocast = (
             (lambda: torch.autocast(self.device.type, dtype=torch.bfloat16)) if bf16 else nullcontext
         )
@@ -112,6 +123,10 @@ class Trainer:
             raise ConfigError(f"trainer.activation_checkpointing: {error}") from None
         # Training and evaluation call the compiled wrapper; checkpoints read self.model, so their
         # keys stay the plain module's (no "_orig_mod." prefix).
+        if trainer.compile and trainer.activation_checkpointing.value == "full":
+            raise ConfigError("trainer.activation_checkpointing=full cannot be compiled (torch.compile does not "
+                              "trace the routing replay of recomputed MoE blocks): use "
+                              "trainer.activation_checkpointing=selective, or trainer.compile=false")
         self.forward = torch.compile(self.model) if trainer.compile else self.model
         self.moe_layers = {name: m for name, m in self.model.named_modules() if isinstance(m, MoELayer)}
         self.optimizer = self.strategy.build_optimizer(self.model, optim)
