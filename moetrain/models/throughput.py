@@ -25,6 +25,7 @@ from moetrain.models.anatomy import anatomy_table, step_anatomy
 from moetrain.models.lm import MoETransformerLM, flops_per_token, parameter_counts
 from moetrain.models.presets import PRESETS, build_lm
 from moetrain.moe import moe_layers, recompute, update_router_biases
+from moetrain.moe.experts import PRECISIONS
 
 def model_flops_utilization(tokens_per_second: float, model: MoETransformerLM, seq_len: int, device) -> float | None:
     peak = peak_bf16_flops(device)
@@ -87,6 +88,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
                         help="weights and activations; routers stay float32")
     parser.add_argument("--impl", default="kernel", choices=["kernel", "torch"], help="MoE dispatch path")
+    parser.add_argument("--precision", default="bf16", choices=list(PRECISIONS),
+                        help="of the routed experts' GEMMs: fp8 runs every one of forward and backward in FP8")
     parser.add_argument("--compile", action="store_true", help="torch.compile each transformer block")
     parser.add_argument("--activation-checkpointing", default="none", choices=list(recompute.MODES),
                         help="recompute in the backward: selective (attention and the experts' hidden "
@@ -105,6 +108,7 @@ def main(argv=None) -> dict:
     model.to(getattr(torch, args.dtype))
     for layer in moe_layers(model):
         layer.gate.float()
+        layer.precision = args.precision
     model.reset_rotary()
     recompute.set_activation_checkpointing(model, args.activation_checkpointing)
     if args.compile:
@@ -112,7 +116,7 @@ def main(argv=None) -> dict:
             block.compile()
     result = {"preset": args.preset, "device": str(args.device), "dtype": args.dtype, "impl": args.impl,
               "compile": args.compile,
-              "activation_checkpointing": args.activation_checkpointing, **measure(model, args.batch_size, args.seq_len, args.steps, args.warmup)}
+              "precision": args.precision, "activation_checkpointing": args.activation_checkpointing, **measure(model, args.batch_size, args.seq_len, args.steps, args.warmup)}
     if result["device"].startswith("cuda"):
         result["device_name"] = torch.cuda.get_device_name()
         result["max_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
