@@ -17,15 +17,27 @@ ranks.
 from __future__ import annotations
 
 import os
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 
-from moetrain.config import ActivationCheckpointing, Device, LoggerConfig, OptimConfig, ParallelConfig, TrainerConfig
+from moetrain.config import (
+    ActivationCheckpointing,
+    ConfigError,
+    Device,
+    LoggerConfig,
+    OptimConfig,
+    ParallelConfig,
+    TrainerConfig,
+)
 from moetrain.data import synthetic
 from moetrain.models import VisionMoE
 from moetrain.parallel import spawn
+from moetrain.parallel.expert import host_group, set_adaptive_r
+from moetrain.parallel.layout import ExpertLayout, collective_timeout
 from moetrain.parallel.training import Distributed
 from moetrain.train import Trainer, seed_everything
 
@@ -36,6 +48,14 @@ TOLERANCE = 1e-5  # relative, fp32
 LAYOUTS = ("data", "expert", "fsdp", "fsdp_expert")
 CHECKPOINTING = ("none", "selective", "full")
 RUNS = [(layout, checkpointing) for layout in LAYOUTS for checkpointing in CHECKPOINTING]
+WORLD_TIMEOUT_S = 240  # the spawned ranks' collective timeout; torch gives a new Gloo group 1800 s
+
+
+def tiny_model() -> VisionMoE:
+    routing = dict(gate="sigmoid", top_k=1, capacity_factor=0.0, balance_loss_weight=0.1, balance_loss="global_batch",
+                   z_loss_weight=0.01, gate_kwargs={"bias_update_rate": 0.05})
+    return VisionMoE(image_size=8, in_channels=3, patch_size=4, num_classes=4, dim=16, depth=2, num_heads=2,
+                     num_experts=2, expert_hidden_size=16, moe_every=1, moe_kwargs=routing)
 
 
 def tiny_trainer(run_dir: Path, world_size: int = 1, strategy=None, max_steps: int = STEPS,
@@ -44,10 +64,7 @@ def tiny_trainer(run_dir: Path, world_size: int = 1, strategy=None, max_steps: i
     learning rate: a run stopped at step N and resumed follows the same schedule as one never stopped."""
     run_dir.mkdir(parents=True, exist_ok=True)
     seed_everything(0)
-    routing = dict(gate="sigmoid", top_k=1, capacity_factor=0.0, balance_loss_weight=0.1, balance_loss="global_batch",
-                   z_loss_weight=0.01, gate_kwargs={"bias_update_rate": 0.05})
-    model = VisionMoE(image_size=8, in_channels=3, patch_size=4, num_classes=4, dim=16, depth=2, num_heads=2,
-                      num_experts=2, expert_hidden_size=16, moe_every=1, moe_kwargs=routing)
+    model = tiny_model()
     data = synthetic(num_classes=4, image_size=8, train_size=64, eval_size=16, batch_size=GLOBAL_BATCH // world_size,
                      eval_batch_size=8)
     settings = dict(max_steps=max_steps, eval_every=0, eval_batches=1, checkpoint_every=0, keep_checkpoints=0,
@@ -93,7 +110,37 @@ def layouts_worker(rank: int, world_size: int, out_dir: str) -> None:
         steps = record_steps(trainer, loads if (layout, checkpointing) == ("expert", "none") else None)
         trainer.fit()
         results[(layout, checkpointing)] = steps
-    torch.save({"steps": results, "loads": loads}, os.path.join(out_dir, f"results{rank}.pt"))
+    torch.save({"steps": results, "loads": loads, "timeouts": group_timeouts(),
+                "refusals": sharded_experts_refusals(trainer.model, world_size)},
+               os.path.join(out_dir, f"results{rank}.pt"))
+
+
+def sharded_experts_refusals(sharded_model, world_size: int) -> list[str]:
+    """What fsdp_expert says to the adaptive degree and the overlap it does not run: in the config,
+    and on a sharded model."""
+    messages = []
+    for settings in (dict(adaptive_r=0), dict(a2a_ffn_overlap_degree=2)):
+        strategy = Distributed(ParallelConfig(nproc_per_node=world_size, strategy="fsdp_expert", **settings))
+        with pytest.raises(ConfigError) as refused:
+            strategy.build_optimizer(tiny_model(), OptimConfig())
+        messages.append(str(refused.value))
+    with pytest.raises(ValueError) as refused:
+        set_adaptive_r(sharded_model, 0)
+    messages.append(str(refused.value))
+    return messages
+
+
+def group_timeouts() -> dict[str, float]:
+    """Seconds a collective waits in the process groups expert parallelism makes, left to inherit
+    the timeout of the group they come from or told one."""
+    # One expert on every rank: the expert-parallel group of r = 1 is a new group of one rank.
+    inherited, told = ExpertLayout(1), ExpertLayout(1, timeout_s=100)
+    # A group of another backend than "gloo" (as NCCL is), for which host_group makes a Gloo group.
+    not_gloo = dist.new_group(backend="cpu:gloo", timeout=timedelta(seconds=150))
+    return {"layout": collective_timeout(inherited.expert_group(1)),
+            "layout told": collective_timeout(told.expert_group(1)),
+            "host": collective_timeout(host_group(not_gloo)),
+            "host told": collective_timeout(host_group(not_gloo, 100))}
 
 
 def one_process_runs(run_dir: Path) -> dict[str, list]:
@@ -115,7 +162,7 @@ def one_process(tmp_path_factory):
 @pytest.fixture(scope="module", params=[2, 4], ids=["2 ranks", "4 ranks"])
 def ranks(request, tmp_path_factory):
     out_dir = tmp_path_factory.mktemp(f"layouts{request.param}")
-    spawn(layouts_worker, request.param, args=(str(out_dir),), backend="gloo")
+    spawn(layouts_worker, request.param, args=(str(out_dir),), backend="gloo", timeout_s=WORLD_TIMEOUT_S)
     return [torch.load(out_dir / f"results{rank}.pt") for rank in range(request.param)]
 
 
@@ -145,6 +192,23 @@ def test_every_rank_sends_tokens_to_both_experts(ranks):
         assert len(results["loads"]) == STEPS
         for layer, tokens_per_expert in enumerate(zip(*results["loads"])):
             assert min(map(sum, zip(*tokens_per_expert))) > 0, (layer, tokens_per_expert)
+
+
+def test_expert_parallel_groups_wait_as_configured(ranks):
+    """The groups made for expert parallelism wait as long as the group they come from (the world's:
+    parallel.timeout_s), or as long as they are told; never torch's default for new groups."""
+    for results in ranks:
+        assert results["timeouts"] == {"layout": WORLD_TIMEOUT_S, "layout told": 100, "host": 150, "host told": 100}
+
+
+def test_fsdp_expert_refuses_the_adaptive_degree_and_the_overlap(ranks):
+    """parallel.strategy=fsdp_expert runs r = 1 without overlap: other settings are refused, in the
+    config and on a sharded model, never silently run as r = 1."""
+    for results in ranks:
+        from_config_r, from_config_overlap, on_the_model = results["refusals"]
+        assert "adaptive_r=1 and a2a_ffn_overlap_degree=1" in from_config_r and "strategy=expert" in from_config_r
+        assert from_config_overlap == from_config_r
+        assert on_the_model.startswith("adaptive_r=0, a2a_ffn_overlap_degree=1: experts sharded by FSDP")
 
 
 def test_the_comparison_can_fail(tmp_path, one_process):

@@ -76,10 +76,11 @@ def _policies(mixed_precision: bool, cpu_offload: bool) -> dict:
 
 
 def shard_model(model: nn.Module, expert_parallel: bool = False, mixed_precision: bool = False,
-                cpu_offload: bool = False) -> dict[int, DeviceMesh]:
+                cpu_offload: bool = False, timeout_s: float | None = None) -> dict[int, DeviceMesh]:
     """Shard `model` in place (see the top of this file); call on every rank with the same full
     model, before building the optimizer. Returns the expert mesh of each expert count (empty
-    without expert parallelism)."""
+    without expert parallelism). timeout_s: how long expert parallelism's process groups wait in a
+    collective (parallel.timeout_s; None: as long as the world's)."""
     from moetrain.models.layers import TransformerBlock
 
     if not dist.is_available() or not dist.is_initialized():
@@ -93,7 +94,7 @@ def shard_model(model: nn.Module, expert_parallel: bool = False, mixed_precision
     policies = _policies(mixed_precision, cpu_offload)
     meshes: dict[int, DeviceMesh] = {}
     if expert_parallel:
-        parallelize(model, adaptive_r=1)
+        parallelize(model, adaptive_r=1, timeout_s=timeout_s)
         for layer in layers:
             if layer.num_experts not in meshes:
                 meshes[layer.num_experts] = expert_mesh(layer.num_experts, device_type)
