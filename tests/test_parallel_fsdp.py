@@ -11,7 +11,8 @@ loss and a z-loss in the loss (both equal the one-process losses when every rank
 tokens). Each world size is spawned once and runs every combination. The comparison can fail: the
 learning rate keeps the model moving (a run whose learning rate is 1% off leaves the tolerance at
 every step), and every rank routes tokens to both experts, so expert parallelism moves rows between
-ranks.
+ranks. The spawned ranks also check how long expert parallelism's process groups wait, and that
+fsdp_expert refuses the adaptive degree and the overlap it does not run.
 """
 
 from __future__ import annotations
@@ -111,7 +112,7 @@ def layouts_worker(rank: int, world_size: int, out_dir: str) -> None:
         trainer.fit()
         results[(layout, checkpointing)] = steps
     torch.save({"steps": results, "loads": loads, "timeouts": group_timeouts(),
-                "refusals": sharded_experts_refusals(trainer.model, world_size)},
+                "refusals": sharded_experts_refusals(trainer.model, world_size)},  # the last run's: fsdp_expert
                os.path.join(out_dir, f"results{rank}.pt"))
 
 
