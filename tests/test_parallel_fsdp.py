@@ -103,7 +103,7 @@ def assert_close(got: list, want: list, first_step: int = 1) -> None:
 
 
 def layouts_worker(rank: int, world_size: int, out_dir: str) -> None:
-    results, loads = {}, []
+    results, loads, timeouts = {}, [], group_timeouts()
     for layout, checkpointing in RUNS:
         strategy = Distributed(ParallelConfig(nproc_per_node=world_size, strategy=layout))
         trainer = tiny_trainer(Path(out_dir) / f"{layout}-{checkpointing}", world_size, strategy,
@@ -111,8 +111,11 @@ def layouts_worker(rank: int, world_size: int, out_dir: str) -> None:
         steps = record_steps(trainer, loads if (layout, checkpointing) == ("expert", "none") else None)
         trainer.fit()
         results[(layout, checkpointing)] = steps
-    torch.save({"steps": results, "loads": loads, "timeouts": group_timeouts(),
-                "refusals": sharded_experts_refusals(trainer.model, world_size)},  # the last run's: fsdp_expert
+    # The last run is fsdp_expert's: its expert mesh's groups (on 2 ranks the expert dimension is the world).
+    for name in ("replica", "expert"):
+        timeouts[f"{name} mesh"] = collective_timeout(strategy.meshes[2][name].get_group())
+    torch.save({"steps": results, "loads": loads, "timeouts": timeouts,
+                "refusals": sharded_experts_refusals(trainer.model, world_size)},
                os.path.join(out_dir, f"results{rank}.pt"))
 
 
@@ -196,10 +199,12 @@ def test_every_rank_sends_tokens_to_both_experts(ranks):
 
 
 def test_expert_parallel_groups_wait_as_configured(ranks):
-    """The groups made for expert parallelism wait as long as the group they come from (the world's:
-    parallel.timeout_s), or as long as they are told; never torch's default for new groups."""
+    """The groups made for expert parallelism, and fsdp_expert's expert mesh, wait as long as the
+    group they come from (the world's: parallel.timeout_s), or as long as they are told; never
+    torch's default for new groups."""
     for results in ranks:
-        assert results["timeouts"] == {"layout": WORLD_TIMEOUT_S, "layout told": 100, "host": 150, "host told": 100}
+        assert results["timeouts"] == {"layout": WORLD_TIMEOUT_S, "layout told": 100, "host": 150, "host told": 100,
+                                       "replica mesh": WORLD_TIMEOUT_S, "expert mesh": WORLD_TIMEOUT_S}
 
 
 def test_fsdp_expert_refuses_the_adaptive_degree_and_the_overlap(ranks):
