@@ -48,7 +48,7 @@ from moetrain import collectives
 from moetrain.moe.experts import Experts, FFNExperts, SwiGLUExperts, mark_expert
 from moetrain.moe.recompute import checkpoint_call
 from moetrain.moe.routing import RoutingPlan
-from moetrain.parallel.layout import ExpertLayout
+from moetrain.parallel.layout import ExpertLayout, group_timeout
 
 # Which axis of each expert parameter is the hidden dimension (r > 1 splits it). None: a parameter
 # without one (the output bias), added by slice 0 only so the summed slices add it once.
@@ -74,12 +74,14 @@ def _check_overlap(degree) -> int:
     return degree
 
 
-def host_group(group=None):
+def host_group(group=None, timeout_s: float | None = None):
     """A Gloo group with the ranks of `group`, for agreeing on host-side values without touching a
-    GPU: `group` itself when it is Gloo already. Collective: every rank of the world must call it."""
+    GPU: `group` itself when it is Gloo already. A new group's collectives wait at most timeout_s
+    seconds (None: as long as `group`'s). Collective: every rank of the world must call it."""
     if dist.get_backend(group) == "gloo":
         return group
-    return dist.new_group(dist.get_process_group_ranks(group or dist.group.WORLD), backend="gloo")
+    return dist.new_group(dist.get_process_group_ranks(group or dist.group.WORLD), backend="gloo",
+                          timeout=group_timeout(group, timeout_s))
 
 
 def _swap_leading(x: torch.Tensor, a: int, b: int) -> torch.Tensor:
@@ -150,6 +152,11 @@ def _mean_gradient_experts(experts, params, x_RD, counts, capacity, world_size, 
     return _ScaleGradient.apply(y_RD, 1.0 / world_size)
 
 
+_SHARDED_EXPERTS = ("adaptive_r={r}, a2a_ffn_overlap_degree={overlap}: experts sharded by FSDP (parallel.strategy="
+                    "fsdp_expert) run once per call with r = 1; the adaptive degree and the chunked overlap need "
+                    "parallel.strategy=expert")
+
+
 class ExpertParallel:
     """Runs one layer's experts across ranks; holds the default degree and overlap of that layer.
     host_group: a Gloo group with the layout's ranks (see host_group()), shared by all layers."""
@@ -171,9 +178,7 @@ class ExpertParallel:
         r = self.adaptive_r if adaptive_r is None else self.layout.check_r(adaptive_r)
         overlap = self.a2a_ffn_overlap_degree if a2a_ffn_overlap_degree is None else _check_overlap(a2a_ffn_overlap_degree)
         if self.experts_sharded and (r, overlap) != (1, 1):
-            raise ValueError(f"adaptive_r={r}, a2a_ffn_overlap_degree={overlap}: experts sharded by FSDP "
-                             "(parallel.strategy=fsdp_expert) run once per call with r = 1; the adaptive degree "
-                             "and the chunked overlap need parallel.strategy=expert")
+            raise ValueError(_SHARDED_EXPERTS.format(r=r, overlap=overlap))
         if r == 0:
             return _mean_gradient_experts(experts, self._all_experts(experts), buf_RD, plan.counts_E, plan.capacity,
                                           self.layout.world_size, recompute)
@@ -344,21 +349,22 @@ def _keep_local_experts(experts: Experts, layout: ExpertLayout) -> None:
 
 
 def parallelize(model: nn.Module, adaptive_r: int = 1, a2a_ffn_overlap_degree: int = 1, group=None,
-                exchange: str = "all_to_all") -> list[ExpertParallel]:
+                exchange: str = "all_to_all", timeout_s: float | None = None) -> list[ExpertParallel]:
     """Shard the experts of every MoELayer in `model` over the ranks of `group` (in place; call on
     every rank with the same full model before building the optimizer). Returns the strategies.
     exchange: how padded rows travel (see the top of this file); a strategy's `exchange` attribute
-    may be changed between calls."""
+    may be changed between calls. timeout_s: how long the process groups made here wait in a
+    collective (parallel.timeout_s; None: as long as `group`'s)."""
     from moetrain.moe import moe_layers
 
     layouts: dict[int, ExpertLayout] = {}
     strategies = []
-    cpu_group = host_group(group)
+    cpu_group = host_group(group, timeout_s)
     for layer in moe_layers(model):
         if layer.parallel is not None:
             raise ValueError("this model is already parallelized")
         if layer.num_experts not in layouts:
-            layouts[layer.num_experts] = ExpertLayout(layer.num_experts, group)
+            layouts[layer.num_experts] = ExpertLayout(layer.num_experts, group, timeout_s)
         layout = layouts[layer.num_experts]
         strategy = ExpertParallel(layout, cpu_group, adaptive_r, a2a_ffn_overlap_degree, exchange)  # checks first
         _keep_local_experts(layer.experts, layout)
@@ -375,4 +381,7 @@ def set_adaptive_r(model: nn.Module, adaptive_r: int) -> None:
 
     for layer in moe_layers(model):
         if layer.parallel is not None:
-            layer.parallel.adaptive_r = layer.parallel.layout.check_r(adaptive_r)
+            r = layer.parallel.layout.check_r(adaptive_r)
+            if layer.parallel.experts_sharded and r != 1:
+                raise ValueError(_SHARDED_EXPERTS.format(r=r, overlap=layer.parallel.a2a_ffn_overlap_degree))
+            layer.parallel.adaptive_r = r

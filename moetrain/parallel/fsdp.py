@@ -40,18 +40,38 @@ from torch.distributed.tensor import DTensor
 from moetrain.moe import moe_layers
 from moetrain.moe.experts import is_expert_param, mark_expert
 from moetrain.parallel.expert import parallelize
+from moetrain.parallel.layout import group_timeout
 
 
 def device_type_of(model: nn.Module) -> str:
     return next(model.parameters()).device.type
 
 
-def expert_mesh(num_experts: int, device_type: str) -> DeviceMesh:
+def expert_mesh(num_experts: int, device_type: str, timeout_s: float | None = None) -> DeviceMesh:
     """The world as [G, R]: row g holds the ranks of expert group g (experts placed as layout.py
-    places them), column q its q-th replica. Collective: every rank calls it."""
+    places them), column q its q-th replica. Its groups' collectives wait at most timeout_s seconds
+    (None: as long as the world's). Collective: every rank calls it."""
     world = dist.get_world_size()
     replicas = max(world // num_experts, 1)
-    return init_device_mesh(device_type, (world // replicas, replicas), mesh_dim_names=("expert", "replica"))
+    shape, names = (world // replicas, replicas), ("expert", "replica")
+    # A dimension over the whole world reuses the world's group; the others get new groups.
+    waiting = {name: _waiting(device_type, timeout_s) for name, size in zip(names, shape) if size != world}
+    return init_device_mesh(device_type, shape, mesh_dim_names=names, backend_override=waiting)
+
+
+def _waiting(device_type: str, timeout_s: float | None):
+    """Options for a device mesh's new groups (torch's default for them, 30 minutes on Gloo, would
+    ignore the configured timeout)."""
+    if dist.Backend.default_device_backend_map.get(device_type) == "nccl":
+        from torch.distributed import ProcessGroupNCCL
+
+        options = ProcessGroupNCCL.Options()
+    else:
+        from torch.distributed import ProcessGroupGloo
+
+        options = ProcessGroupGloo._Options()
+    options._timeout = group_timeout(None, timeout_s)
+    return options
 
 
 @torch.no_grad()
@@ -76,10 +96,11 @@ def _policies(mixed_precision: bool, cpu_offload: bool) -> dict:
 
 
 def shard_model(model: nn.Module, expert_parallel: bool = False, mixed_precision: bool = False,
-                cpu_offload: bool = False) -> dict[int, DeviceMesh]:
+                cpu_offload: bool = False, timeout_s: float | None = None) -> dict[int, DeviceMesh]:
     """Shard `model` in place (see the top of this file); call on every rank with the same full
     model, before building the optimizer. Returns the expert mesh of each expert count (empty
-    without expert parallelism)."""
+    without expert parallelism). timeout_s: how long the process groups made for expert parallelism
+    and the expert meshes wait in a collective (parallel.timeout_s; None: as long as the world's)."""
     from moetrain.models.layers import TransformerBlock
 
     if not dist.is_available() or not dist.is_initialized():
@@ -93,10 +114,10 @@ def shard_model(model: nn.Module, expert_parallel: bool = False, mixed_precision
     policies = _policies(mixed_precision, cpu_offload)
     meshes: dict[int, DeviceMesh] = {}
     if expert_parallel:
-        parallelize(model, adaptive_r=1)
+        parallelize(model, adaptive_r=1, timeout_s=timeout_s)
         for layer in layers:
             if layer.num_experts not in meshes:
-                meshes[layer.num_experts] = expert_mesh(layer.num_experts, device_type)
+                meshes[layer.num_experts] = expert_mesh(layer.num_experts, device_type, timeout_s)
             fully_shard(layer.experts, mesh=meshes[layer.num_experts]["replica"], **policies)
             # Summed over the replicas, not averaged: expert.py divided by W already. Gloo has no
             # pre-scaled sum, so the reduction is a plain sum.

@@ -22,7 +22,12 @@ expert e in group q; member order inside a group is then the virtual expert orde
 
 from __future__ import annotations
 
+from datetime import timedelta
+
+import torch
 import torch.distributed as dist
+
+from moetrain.parallel.launch import check_timeout
 
 
 def placement(num_experts: int, world_size: int, rank: int) -> slice:
@@ -38,15 +43,36 @@ def placement(num_experts: int, world_size: int, rank: int) -> slice:
     return slice(first, first + local)
 
 
+def collective_timeout(group=None) -> float:
+    """Seconds a collective of `group` (the world by default) waits before it fails: the timeout the
+    group was made with (moetrain's own process group: parallel.timeout_s)."""
+    group = group or dist.group.WORLD
+    device = torch.device("cuda" if "nccl" in dist.get_backend(group) else "cpu")
+    # torch keeps it in the backend's options only (no public getter).
+    return group._get_backend(device).options._timeout.total_seconds()
+
+
+def group_timeout(group=None, timeout_s: float | None = None) -> timedelta:
+    """The timeout for a new process group made from `group`'s ranks: timeout_s seconds, or None for
+    as long as `group` waits (torch's own default for new groups, 30 minutes on Gloo and 10 on NCCL,
+    would ignore the configured one)."""
+    if timeout_s is None:
+        return timedelta(seconds=collective_timeout(group))
+    check_timeout(timeout_s)
+    return timedelta(seconds=timeout_s)
+
+
 class ExpertLayout:
     """Placement of num_experts experts on the ranks of `group`; build it on every rank, together
-    (it creates process groups, a collective call)."""
+    (it creates process groups, a collective call). Their collectives wait at most timeout_s seconds
+    (None: as long as `group`'s)."""
 
-    def __init__(self, num_experts: int, group=None):
+    def __init__(self, num_experts: int, group=None, timeout_s: float | None = None):
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("expert parallelism needs torch.distributed initialised first "
                                "(moetrain.parallel.init_distributed or torch.distributed.init_process_group)")
         self.group = group
+        self.timeout = group_timeout(group, timeout_s)
         self.ranks = dist.get_process_group_ranks(group or dist.group.WORLD)
         self.world_size = len(self.ranks)
         self.rank = dist.get_rank(group)
@@ -73,7 +99,7 @@ class ExpertLayout:
     def _my_group(self, members: list[list[int]]):
         if len(members) == 1 and len(members[0]) == self.world_size:
             return self.group  # the whole group: no new communicator
-        mine, _ = dist.new_subgroups_by_enumeration(members)
+        mine, _ = dist.new_subgroups_by_enumeration(members, timeout=self.timeout)
         return mine
 
     def check_r(self, r) -> int:
