@@ -114,7 +114,11 @@ def layouts_worker(rank: int, world_size: int, out_dir: str) -> None:
     # The last run is fsdp_expert's: its expert mesh's groups (on 2 ranks the expert dimension is the world).
     for name in ("replica", "expert"):
         timeouts[f"{name} mesh"] = collective_timeout(strategy.meshes[2][name].get_group())
-    torch.save({"steps": results, "loads": loads, "timeouts": timeouts,
+    # Each expert's replicas really split it: this rank stores 1/replicas of each expert parameter.
+    replicas = max(world_size // 2, 1)
+    shards = {name: (param.to_local().numel(), param.numel()) for name, param in trainer.model.named_parameters()
+              if ".experts." in name}
+    torch.save({"steps": results, "loads": loads, "timeouts": timeouts, "shards": shards, "replicas": replicas,
                 "refusals": sharded_experts_refusals(trainer.model, world_size)},
                os.path.join(out_dir, f"results{rank}.pt"))
 
@@ -196,6 +200,16 @@ def test_every_rank_sends_tokens_to_both_experts(ranks):
         assert len(results["loads"]) == STEPS
         for layer, tokens_per_expert in enumerate(zip(*results["loads"])):
             assert min(map(sum, zip(*tokens_per_expert))) > 0, (layer, tokens_per_expert)
+
+
+def test_fsdp_expert_shards_each_expert_over_its_replicas(ranks):
+    """fsdp_expert's experts are FSDP-sharded over their replicas: with 2 experts on 4 ranks each
+    rank stores half of its expert's parameters (not all on one replica and none on the other)."""
+    for rank_results in ranks:
+        replicas = rank_results["replicas"]
+        assert rank_results["shards"]
+        for name, (local, whole) in rank_results["shards"].items():
+            assert local * replicas == whole, (name, local, whole, replicas)
 
 
 def test_expert_parallel_groups_wait_as_configured(ranks):

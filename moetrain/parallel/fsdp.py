@@ -13,7 +13,8 @@ With expert parallelism (torchtitan's composition) the experts are first placed 
 moetrain.parallel.expert places them (rank i holds experts [i*E/W, (i+1)*E/W), or with E < W
 expert i // (W/E) on W/E consecutive ranks, its replicas) and tokens travel by all-to-all; each
 layer's experts are then one FSDP unit sharded over the replicas of those experts only (the
-"replica" dimension of expert_mesh; one rank when E >= W). The rest is sharded over all ranks.
+"replica" dimension of expert_mesh; one rank when E >= W), along their second dimension (a rank
+holds about one expert when there are replicas). The rest is sharded over all ranks.
 The MoE rules hold: an expert's gradient already holds every rank's contribution, divided by W
 on the way (expert.py), so FSDP sums it over that expert's replicas instead of averaging it;
 shared gradients are averaged over all ranks.
@@ -35,7 +36,7 @@ from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 
 from moetrain.moe import moe_layers
 from moetrain.moe.experts import is_expert_param, mark_expert
@@ -95,6 +96,12 @@ def _policies(mixed_precision: bool, cpu_offload: bool) -> dict:
     }
 
 
+def _features_dim(param: nn.Parameter) -> Shard:
+    """Where the replicas of an expert split its parameters: [E, D, H] weights and [E, H] biases
+    along their second dimension."""
+    return Shard(1)
+
+
 def shard_model(model: nn.Module, expert_parallel: bool = False, mixed_precision: bool = False,
                 cpu_offload: bool = False, timeout_s: float | None = None) -> dict[int, DeviceMesh]:
     """Shard `model` in place (see the top of this file); call on every rank with the same full
@@ -118,7 +125,10 @@ def shard_model(model: nn.Module, expert_parallel: bool = False, mixed_precision
         for layer in layers:
             if layer.num_experts not in meshes:
                 meshes[layer.num_experts] = expert_mesh(layer.num_experts, device_type, timeout_s)
-            fully_shard(layer.experts, mesh=meshes[layer.num_experts]["replica"], **policies)
+            # Along dim 1 (model or hidden features): a rank holds about one expert whenever the
+            # experts have replicas, and FSDP's default dim 0 would leave it whole on one replica.
+            fully_shard(layer.experts, mesh=meshes[layer.num_experts]["replica"],
+                        shard_placement_fn=_features_dim, **policies)
             # Summed over the replicas, not averaged: expert.py divided by W already. Gloo has no
             # pre-scaled sum, so the reduction is a plain sum.
             layer.experts.set_gradient_divide_factor(1.0)

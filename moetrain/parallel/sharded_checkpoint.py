@@ -63,7 +63,8 @@ def expert_views(model: nn.Module, meshes: dict[int, DeviceMesh]) -> dict[str, t
     for name, module in model.named_modules():
         if isinstance(module, MoELayer) and module.parallel is not None:
             mesh = meshes[module.num_experts]
-            within_replicas = Shard(0) if module.parallel.experts_sharded else Replicate()
+            # FSDP splits the replicas' copies along dim 1 (fsdp.shard_model)
+            within_replicas = Shard(1) if module.parallel.experts_sharded else Replicate()
             for key, param in module.experts.named_parameters():
                 # param.shape: this rank's rows (for an FSDP-sharded expert, the DTensor's whole shape)
                 shape = (param.shape[0] * mesh.size(0),) + tuple(param.shape[1:])
