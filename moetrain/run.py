@@ -38,7 +38,6 @@ import numpy as np
 import torch
 from torch import nn
 
-from moetrain.config import ConfigError
 from moetrain.data.base import DataModule
 from moetrain.data.text import SUFFIXES, ByteTokenizer
 from moetrain.models.routing import layer_kwargs
@@ -51,7 +50,7 @@ _STEP = re.compile(r"^step_(\d+)(\.pt)?$")
 TEXT_DATA_TARGET = "moetrain.data.text.text"
 
 
-class RunError(ConfigError):
+class RunError(ValueError):
     """A run directory that cannot be loaded: missing, without checkpoints, no such step, a config
     that does not build, or weights that do not fit the model. One line saying what and how to fix."""
 
@@ -121,7 +120,7 @@ def build_data(data_config: dict, seed: int = 0) -> DataModule:
         torch.manual_seed(seed)
         try:
             data = builder(**arguments)
-        except (ValueError, OSError, TypeError) as error:  # ConfigError is a ValueError
+        except (ValueError, OSError, TypeError) as error:
             raise RunError(f"data ({data_config['_target_']}): {_one_line(error)}") from None
     if not isinstance(data, DataModule):
         raise RunError(f"data._target_={data_config['_target_']} returned {type(data).__name__}, not a DataModule")
@@ -194,7 +193,7 @@ def find_checkpoint(run_dir: str | Path, step: int | None = None) -> tuple[Path,
     folder = run_dir / checkpoint.CHECKPOINT_DIR
     entries = checkpoint.checkpoints(folder)
     if not entries:
-        raise RunError(f"no checkpoint in {folder}: the run saved none yet (trainer.checkpoint_every, or it "
+        raise RunError(f"no checkpoint in {folder}: the run saved none yet (TrainerConfig.checkpoint_every, or it "
                        "stopped before its first save); train it further or pass another run directory")
     if step is not None:
         if isinstance(step, bool) or not isinstance(step, int):
