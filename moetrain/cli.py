@@ -54,7 +54,7 @@ from omegaconf.errors import (
 )
 from tqdm import tqdm
 
-from moetrain.config import Config, ConfigError, GateConfig, Mode, did_you_mean, validate
+from moetrain.config import Config, ConfigError, GateConfig, Mode, SettingError, did_you_mean, validate
 from moetrain.data import DataModule
 from moetrain.models.presets import PRESETS
 from moetrain.models.routing import flat_routing, layer_kwargs, setting_owners
@@ -133,6 +133,41 @@ def register_configs() -> None:
 # ---- turning errors into one line -----------------------------------------------------------------
 def _one_line(text: str) -> str:
     return " ".join(line.strip() for line in str(text).splitlines() if line.strip())
+
+
+# The library names a setting as its Python API does: a field of a settings dataclass
+# (TrainerConfig.device='cuda') or a builder's argument (root='data'). The command line names it by
+# its config key (trainer.device=cuda, data.root=data), with the value as an override writes it.
+_GROUP_OF_SCHEMA = {hint.__name__: name for name, hint in typing.get_type_hints(Config).items()
+                    if dataclasses.is_dataclass(hint)}  # TrainerConfig -> trainer, ...
+_WORD = r"'[^']*'|\"[^\"]*\"|[^\s,;:()|'\"]+"
+_VALUE = rf"(?:{_WORD})(?:\|(?:{_WORD}))*"  # one Python value, or alternatives joined by |
+_OVERRIDE_LITERALS = {"True": "true", "False": "false", "None": "null"}
+
+
+def _override_value(python: str) -> str:
+    """'cuda' -> cuda, True -> true, None -> null, 'fsdp'|'fsdp_expert' -> fsdp|fsdp_expert."""
+    return "|".join(_OVERRIDE_LITERALS.get(word, word.strip("'\"")) for word in re.findall(_WORD, python))
+
+
+def in_config_keys(message: str, group: str | None = None, arguments=()) -> str:
+    """A library error's message in the command line's terms: each settings dataclass (alone or
+    with a field: TrainerConfig.resume='x') becomes its config group or key (trainer.resume=x);
+    with `group`, each `NAME=VALUE` of `arguments` (the keyword arguments of the group's _target_)
+    becomes group.NAME=VALUE."""
+
+    def schema_key(match: re.Match) -> str:
+        schema, field, value = match.group(1), match.group(2), match.group(3)
+        key = _GROUP_OF_SCHEMA[schema] + (f".{field}" if field else "")
+        return key + (f"={_override_value(value)}" if value is not None else "")
+
+    schemas = "|".join(_GROUP_OF_SCHEMA)
+    message = re.sub(rf"(?<![\w.])({schemas})(?:\.(\w+))?(?:=({_VALUE}))?", schema_key, message)
+    if group and arguments:
+        names = "|".join(re.escape(name) for name in arguments)
+        message = re.sub(rf"(?<![\w.])({names})=({_VALUE})",
+                         lambda match: f"{group}.{match.group(1)}={_override_value(match.group(2))}", message)
+    return _one_line(message)
 
 
 def _omegaconf_cause(error: BaseException) -> OmegaConfBaseException | None:
@@ -335,7 +370,10 @@ def check_command_line(overrides: list[str], multirun: bool, config_dir: str | N
             except Exception as error:
                 raise ConfigError(_explain(error, list(run))) from None
             # The device is checked here, not in checked(): a GPU recipe still composes on a CPU machine.
-            resolve_device(config.trainer.device)
+            try:
+                resolve_device(config.trainer.device)
+            except SettingError as error:
+                raise ConfigError(in_config_keys(str(error), "trainer", ["device"])) from None
             if output_dir is not None:
                 check_output_dir(Path(output_dir), "hydra.sweep.dir" if multirun else "hydra.run.dir")
             check_resume_path(config.trainer.resume)
@@ -445,7 +483,16 @@ def _instantiate(group: str, node: dict, **kwargs):
         cause = error.__cause__
         if isinstance(cause, (ConfigError, ExtensionUnavailable)):
             raise cause from None
-        raise ConfigError(f"{group} ({node['_target_']}): {_one_line(cause or error)}") from None
+        message = in_config_keys(str(cause or error), group, _arguments(node["_target_"]))
+        if isinstance(cause, SettingError):  # says which of the group's keys to change: no prefix needed
+            raise ConfigError(message) from None
+        raise ConfigError(f"{group} ({node['_target_']}): {message}") from None
+
+
+def _arguments(path: str) -> list[str]:
+    """The keyword arguments of the callable a _target_ names (check_target imported it already)."""
+    parameters = inspect.signature(import_object(path)).parameters
+    return [name for name, p in parameters.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
 
 
 def build(config: Config) -> tuple[DataModule, torch.nn.Module]:
@@ -478,7 +525,7 @@ def train(cfg: DictConfig, run_dir: Path, distributed: bool = False) -> dict:
         run_dir=run_dir,
         seed=config.seed,
         run_config=OmegaConf.to_container(cfg, resolve=True, enum_to_str=True),
-        strategy=Distributed(config.parallel) if distributed else None,
+        processes=Distributed(config.parallel) if distributed else None,
     )
     if config.mode == Mode.eval:
         return evaluate_quantized(trainer, config.quant, lambda: build_model(config, data))
@@ -513,7 +560,9 @@ def _file_system_error(error: OSError, run_dir: Path) -> str:
             f"the way; {kept}; continue with: {_resume_command(run_dir)}")
 
 
-REPORTED = (ExtensionUnavailable, ConfigError, NonFiniteLoss, Terminated, OSError)
+# The library's errors that end a run with one line (a bug keeps its traceback).
+REPORTED = (ExtensionUnavailable, ConfigError, SettingError, checkpoint.CheckpointError, NonFiniteLoss, Terminated,
+            OSError)
 
 
 def _error_line(error: BaseException, run_dir: Path) -> tuple[str, int]:
@@ -522,13 +571,14 @@ def _error_line(error: BaseException, run_dir: Path) -> tuple[str, int]:
     not be read or written (2)."""
     if isinstance(error, ExtensionUnavailable):
         return f"{error} (on the command line: gate.impl=torch)", EXIT_CONFIG_ERROR
-    if isinstance(error, ConfigError):
+    if isinstance(error, (ConfigError, SettingError, checkpoint.CheckpointError)):
         _remove_partial_checkpoints(run_dir)  # a checkpoint write that failed leaves no .tmp behind
-        return str(error), EXIT_CONFIG_ERROR
+        return in_config_keys(str(error)), EXIT_CONFIG_ERROR
     if isinstance(error, NonFiniteLoss):
-        return str(error), EXIT_TRAINING_FAILED
+        return in_config_keys(str(error)), EXIT_TRAINING_FAILED
     if isinstance(error, Terminated):
-        return str(error), error.exit_code
+        return (f"stopped by SIGTERM at step {error.step} after saving its checkpoint; continue with the same "
+                f"command plus hydra.run.dir={error.run_dir} trainer.resume=auto"), error.exit_code
     return _file_system_error(error, run_dir), EXIT_CONFIG_ERROR
 
 
@@ -585,7 +635,8 @@ class RunDirectoryLock(Callback):
             try:
                 lock_run_directory(Path(str(config.hydra.run.dir)))
             except RunDirectoryBusy as error:
-                _fail(str(error), EXIT_CONFIG_ERROR)
+                _fail(f"{error.run_dir} is in use by another moetrain run (pid and host: {error.holder}): wait for "
+                      "it to end, or give this run its own hydra.run.dir", EXIT_CONFIG_ERROR)
 
 
 # ---- several processes --------------------------------------------------------------------------
@@ -629,7 +680,7 @@ def _report_sigterm(stopped: WorkersTerminated, run_dir: Path) -> typing.NoRetur
     """SIGTERM reached the launcher and, through it, every worker: rank 0 says where it stopped."""
     first = stopped.exits[0]
     if isinstance(first.error, Terminated):
-        _fail(str(first.error), first.error.exit_code)
+        _fail(*_error_line(first.error, run_dir))
     _remove_partial_checkpoints(run_dir)
     _fail(f"{stopped}; continue from the last checkpoint with: {_resume_command(run_dir)}", 128 + signal.SIGTERM)
 

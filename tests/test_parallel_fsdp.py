@@ -51,7 +51,7 @@ def tiny_trainer(run_dir: Path, world_size: int = 1, strategy=None, max_steps: i
     optim = OptimConfig(lr=1e-2, warmup_steps=0, min_lr_ratio=1.0)
     return Trainer(model, data, trainer=TrainerConfig(**settings), optim=optim,
                    logger=LoggerConfig(tensorboard=False, log_every=1), run_dir=run_dir, seed=0,
-                   run_config={"model": {"name": "tiny"}}, strategy=strategy)
+                   run_config={"model": {"name": "tiny"}}, processes=strategy)
 
 
 def record_steps(trainer: Trainer) -> list[tuple[float, float, float]]:

@@ -172,8 +172,8 @@ class ExpertParallel:
         overlap = self.a2a_ffn_overlap_degree if a2a_ffn_overlap_degree is None else _check_overlap(a2a_ffn_overlap_degree)
         if self.experts_sharded and (r, overlap) != (1, 1):
             raise ValueError(f"adaptive_r={r}, a2a_ffn_overlap_degree={overlap}: experts sharded by FSDP "
-                             "(parallel.strategy=fsdp_expert) run once per call with r = 1; the adaptive degree "
-                             "and the chunked overlap need parallel.strategy=expert")
+                             "(ParallelConfig.strategy='fsdp_expert') run once per call with r = 1; the adaptive "
+                             "degree and the chunked overlap need ParallelConfig.strategy='expert'")
         if r == 0:
             return _mean_gradient_experts(experts, self._all_experts(experts), buf_RD, plan.counts_E, plan.capacity,
                                           self.layout.world_size, recompute)
