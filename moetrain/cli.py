@@ -11,14 +11,21 @@ here in the ConfigStore group `recipe` (package _global_) so that `+recipe=NAME`
 
 Every configuration mistake ends the same way: exit code 2 and one line on stderr that names the
 key and the fix, never a traceback. Hydra reports its own composition errors in several lines
-with exit code 1, so `main` first composes the command line itself (each combination of a sweep)
-and turns any failure into that one line; only a config that composes and validates reaches
-Hydra's entry point, which makes the run directory and calls `train`.
+with exit code 1, so `main` composes the command line itself (each combination of a sweep) with
+Hydra's compose API and turns any failure into that one line. A single run is composed once: the
+config that was checked is the one run_composed hands to Hydra's job runner, which makes the run
+directory and calls `train`. A sweep's jobs are checked the same way first, then composed again
+by Hydra's sweeper, which runs them.
+
+The library raises plain errors that name settings as its Python API does (SettingError:
+`TrainerConfig.resume='x'`, a data builder's `root='data'`); in_config_keys turns them into the
+config keys a user types (`trainer.resume=x`, `data.root=data`).
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
 import importlib
 import inspect
@@ -39,10 +46,13 @@ import hydra
 import torch
 import torch.distributed as dist
 from hydra.core.config_store import ConfigStore
+from hydra.core.global_hydra import GlobalHydra
 from hydra.core.hydra_config import HydraConfig
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import HydraException, InstantiationException, MissingConfigException
+from hydra.core.utils import run_job
 from hydra.experimental.callback import Callback
+from hydra.types import HydraContext, RunMode
 from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf.errors import (
     ConfigAttributeError,
@@ -327,10 +337,11 @@ def checked(cfg: DictConfig) -> Config:
 
 
 def check_command_line(overrides: list[str], multirun: bool, config_dir: str | None = None,
-                       build_data: bool = False) -> None:
+                       build_data: bool = False) -> DictConfig | None:
     """Compose every run the command line asks for and check it: the config, the folders it names
     (where the run directory goes, trainer.resume) and, with build_data, its data set, so that a bad
-    input fails before Hydra makes a run directory. Raises ConfigError."""
+    input fails before a run directory is made. Returns the one run's composed config (its hydra
+    node included) to run as it is; None for a sweep. Raises ConfigError."""
     if config_dir:  # --config-dir: the user's own configs, searched after moetrain's
         overrides = overrides + [f"hydra.searchpath=[file://{Path(config_dir).resolve()}]"]
     try:
@@ -360,8 +371,9 @@ def check_command_line(overrides: list[str], multirun: bool, config_dir: str | N
         built = set()
         for run in runs:
             try:
-                cfg = hydra.compose(config_name=CONFIG_NAME, overrides=list(run), return_hydra_config=True)
-                output_dir = _output_dir(cfg, multirun)
+                composed = hydra.compose(config_name=CONFIG_NAME, overrides=list(run), return_hydra_config=True)
+                output_dir = _output_dir(composed, multirun)  # ${now:...} is resolved once per composed config
+                cfg = copy.deepcopy(composed)
                 with open_dict(cfg):
                     del cfg["hydra"]
                 config = checked(cfg)
@@ -383,6 +395,7 @@ def check_command_line(overrides: list[str], multirun: bool, config_dir: str | N
                 data = _build_data(config)
                 if not multirun:  # the run itself uses it (a sweep's jobs build their own)
                     _PREBUILT_DATA[key] = data
+    return None if multirun else composed
 
 
 def sweep_runs(parsed: list) -> list[list[str]]:
@@ -737,6 +750,39 @@ def _task(cfg: DictConfig) -> None:
         raise
 
 
+class _JobCallbacks:
+    """The callbacks of hydra.callbacks (conf/config.yaml), notified as Hydra notifies them."""
+
+    def __init__(self, cfg: DictConfig):
+        self.callbacks = [hydra.utils.instantiate(node) for node in (cfg.hydra.callbacks or {}).values()]
+
+    def notify(self, event: str, reverse: bool = False, **kwargs) -> None:
+        for callback in reversed(self.callbacks) if reverse else self.callbacks:
+            getattr(callback, event)(**kwargs)
+
+    def on_job_start(self, **kwargs) -> None:
+        self.notify("on_job_start", **kwargs)
+
+    def on_job_end(self, **kwargs) -> None:
+        self.notify("on_job_end", reverse=True, **kwargs)
+
+
+def run_composed(cfg: DictConfig) -> None:
+    """Run one composed and checked config (its hydra node included) as Hydra's entry point runs a
+    single run, through Hydra's public job runner: the run directory, its .hydra/ copy of the
+    config, logging, then `_task`. The config check_command_line composed is the one that runs."""
+    with open_dict(cfg.hydra):
+        cfg.hydra.mode = RunMode.RUN
+    callbacks = _JobCallbacks(cfg)
+    callbacks.notify("on_run_start", config=cfg, config_name=CONFIG_NAME)
+    with hydra.initialize_config_module(config_module=CONFIG_MODULE, version_base="1.3"):
+        context = HydraContext(config_loader=GlobalHydra.instance().config_loader(), callbacks=callbacks)
+        result = run_job(task_function=_task, config=cfg, job_dir_key="hydra.run.dir", job_subdir_key=None,
+                         hydra_context=context)
+    callbacks.notify("on_run_end", reverse=True, config=cfg, config_name=CONFIG_NAME, job_return=result)
+    result.return_value  # noqa: B018 - raises the task's error, as Hydra's entry point does
+
+
 def command_line_parser() -> argparse.ArgumentParser:
     """The flags `moetrain` reads before handing the command line to Hydra's entry point (Hydra's
     own flags, with the values they take, so that none is mistaken for an override)."""
@@ -767,9 +813,14 @@ def _main() -> None:
     if not (args.help or args.hydra_help or args.shell_completion or args.info):
         try:
             # --cfg only prints the config: no data set is built (nor downloaded) for it.
-            check_command_line(args.overrides, args.multirun, args.config_dir, build_data=not args.cfg)
+            composed = check_command_line(args.overrides, args.multirun, args.config_dir, build_data=not args.cfg)
         except ConfigError as error:
             _fail(str(error), EXIT_CONFIG_ERROR)
+        single_run = composed is not None and composed.hydra.mode != RunMode.MULTIRUN
+        if single_run and not (args.cfg or args.experimental_rerun):
+            run_composed(composed)  # one run: composed once, checked, run as it is
+            return
+    # Help, --cfg, --info, a sweep (whose sweeper composes each job) and the rest: Hydra's entry point.
     hydra.main(version_base="1.3", config_path=f"pkg://{CONFIG_MODULE}", config_name=CONFIG_NAME)(_task)()
 
 
