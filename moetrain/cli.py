@@ -49,8 +49,8 @@ from hydra.core.config_store import ConfigStore
 from hydra.core.global_hydra import GlobalHydra
 from hydra.core.hydra_config import HydraConfig
 from hydra.core.override_parser.overrides_parser import OverridesParser
-from hydra.errors import HydraException, InstantiationException, MissingConfigException
 from hydra.core.utils import run_job
+from hydra.errors import HydraException, InstantiationException, MissingConfigException
 from hydra.experimental.callback import Callback
 from hydra.types import HydraContext, RunMode
 from omegaconf import DictConfig, OmegaConf, open_dict

@@ -87,7 +87,7 @@ def _cifar_error(root: str, dataset_class, fallback: str) -> SettingError:
             fallback = f"CIFAR-10 file {os.path.join(folder, name)} {problem}"
             break
     return SettingError(f"{fallback}: these are not CIFAR-10's files; delete {folder} and download again "
-                       "(download=True), or fix the file")
+                        "(download=True), or fix the file")
 
 
 def cifar10(
@@ -120,7 +120,7 @@ def cifar10(
             + (
                 "re-download it, or set verify_checksums=False for files you made yourself"
                 if found
-                else "set download=True, or point root at the folder holding cifar-10-batches-py"
+                else "set download=True, or give root=FOLDER, the folder holding cifar-10-batches-py"
             )
         ) from None
     except Exception as error:  # files that exist but are not CIFAR-10 batches
@@ -200,12 +200,12 @@ def _check_mnist_files(raw_folder: str) -> None:
             problem = f"cannot be read ({error.strerror})"
         if problem:
             raise SettingError(f"MNIST file {path} {problem}: it is not MNIST's; delete {raw_folder} and download "
-                              "again (download=True), or fix the file")
+                               "again (download=True), or fix the file")
     for split in ("train", "t10k"):
         images, labels = counts[f"{split}-images-idx3-ubyte"], counts[f"{split}-labels-idx1-ubyte"]
         if images != labels:
             raise SettingError(f"MNIST files {split}-images-idx3-ubyte and {split}-labels-idx1-ubyte in {raw_folder} "
-                              f"hold {images} images but {labels} labels: delete {raw_folder} and download again")
+                               f"hold {images} images but {labels} labels: delete {raw_folder} and download again")
 
 
 def mnist(
@@ -231,7 +231,7 @@ def mnist(
             raise _download_failed("MNIST", root, "MNIST/raw", error) from None
         raise SettingError(
             f"MNIST not found under root={root!r}: set download=True, "
-            "or point root at the folder holding MNIST/raw"
+            "or give root=FOLDER, the folder holding MNIST/raw"
         ) from None
     if verify_checksums:
         _verify_mnist(train.raw_folder)
