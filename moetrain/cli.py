@@ -172,10 +172,10 @@ def in_config_keys(message: str, group: str | None = None, arguments=()) -> str:
         return key + (f"={_override_value(value)}" if value is not None else "")
 
     schemas = "|".join(_GROUP_OF_SCHEMA)
-    message = re.sub(rf"(?<![\w.])({schemas})(?:\.(\w+))?(?:=({_VALUE}))?", schema_key, message)
+    message = re.sub(rf"(?<![\w./])({schemas})(?:\.(\w+))?(?:=({_VALUE}))?", schema_key, message)
     if group and arguments:
         names = "|".join(re.escape(name) for name in arguments)
-        message = re.sub(rf"(?<![\w.])({names})=({_VALUE})",
+        message = re.sub(rf"(?<![\w./])({names})=({_VALUE})",
                          lambda match: f"{group}.{match.group(1)}={_override_value(match.group(2))}", message)
     return _one_line(message)
 
