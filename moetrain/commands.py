@@ -437,4 +437,6 @@ def _error_line(error: BaseException) -> str:
     if isinstance(error, OSError):
         where = f" {error.filename}" if error.filename else ""
         return f"cannot use{where}: {error.strerror or error}: fix the path or its permissions"
+    if isinstance(error, RunError) and error.data_target:  # the data builder's arguments are data.KEY
+        return cli.in_config_keys(str(error), "data", cli._arguments(error.data_target))
     return cli.in_config_keys(str(error))

@@ -52,7 +52,12 @@ TEXT_DATA_TARGET = "moetrain.data.text.text"
 
 class RunError(ValueError):
     """A run directory that cannot be loaded: missing, without checkpoints, no such step, a config
-    that does not build, or weights that do not fit the model. One line saying what and how to fix."""
+    that does not build, or weights that do not fit the model. One line saying what and how to fix.
+    data_target: the data builder whose arguments the message names, when it failed."""
+
+    def __init__(self, message: str, data_target: str | None = None):
+        super().__init__(message)
+        self.data_target = data_target
 
 
 @dataclass
@@ -121,7 +126,7 @@ def build_data(data_config: dict, seed: int = 0) -> DataModule:
         try:
             data = builder(**arguments)
         except (ValueError, OSError, TypeError) as error:
-            raise RunError(f"data ({data_config['_target_']}): {_one_line(error)}") from None
+            raise RunError(f"data ({data_config['_target_']}): {_one_line(error)}", data_config["_target_"]) from None
     if not isinstance(data, DataModule):
         raise RunError(f"data._target_={data_config['_target_']} returned {type(data).__name__}, not a DataModule")
     return data
