@@ -1,11 +1,11 @@
 """The training loop: one process on a CPU or one GPU (its processes object is the multi-process seam).
 
-Each optimizer step takes trainer.grad_accum_steps micro-batches. The loss is cross-entropy of the
-model's logits against integer targets (one class per image, or one next token per position;
-targets of -100 are ignored) plus every MoE layer's aux_loss, whose configured weights the layers
-already applied. The step's gradients are reduced (over the processes), clipped, checked (a non-finite loss
-or gradient stops the run or skips the step, as configured), applied, and the routers' load
-biases are updated. Evaluation, logging and checkpoints run every N steps and at the end.
+Each optimizer step takes TrainerConfig.grad_accum_steps micro-batches. The loss is cross-entropy
+of the model's logits against integer targets (one class per image, or one next token per
+position; targets of -100 are ignored) plus every MoE layer's aux_loss, whose configured weights
+the layers already applied. The step's gradients are reduced over the processes, clipped, checked
+(a non-finite loss or gradient stops the run or skips the step, as configured), applied, and the
+routers' load biases are updated. Evaluation, logging and checkpoints run every N steps and at the end.
 
 Resuming restores what the config does not say (weights, optimizer moments, data position, random
 states, step); the settings come from the current config, and every one that differs from the
