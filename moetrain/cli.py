@@ -11,14 +11,21 @@ here in the ConfigStore group `recipe` (package _global_) so that `+recipe=NAME`
 
 Every configuration mistake ends the same way: exit code 2 and one line on stderr that names the
 key and the fix, never a traceback. Hydra reports its own composition errors in several lines
-with exit code 1, so `main` first composes the command line itself (each combination of a sweep)
-and turns any failure into that one line; only a config that composes and validates reaches
-Hydra's entry point, which makes the run directory and calls `train`.
+with exit code 1, so `main` composes the command line itself (each combination of a sweep) with
+Hydra's compose API and turns any failure into that one line. A single run is composed once: the
+config that was checked is the one run_composed hands to Hydra's job runner, which makes the run
+directory and calls `train`. A sweep's jobs are checked the same way first, then composed again
+by Hydra's sweeper, which runs them.
+
+The library raises plain errors that name settings as its Python API does (SettingError:
+`TrainerConfig.resume='x'`, a data builder's `root='data'`); in_config_keys turns them into the
+config keys a user types (`trainer.resume=x`, `data.root=data`).
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
 import importlib
 import inspect
@@ -39,10 +46,13 @@ import hydra
 import torch
 import torch.distributed as dist
 from hydra.core.config_store import ConfigStore
+from hydra.core.global_hydra import GlobalHydra
 from hydra.core.hydra_config import HydraConfig
 from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.core.utils import run_job
 from hydra.errors import HydraException, InstantiationException, MissingConfigException
 from hydra.experimental.callback import Callback
+from hydra.types import HydraContext, RunMode
 from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf.errors import (
     ConfigAttributeError,
@@ -54,7 +64,7 @@ from omegaconf.errors import (
 )
 from tqdm import tqdm
 
-from moetrain.config import Config, ConfigError, GateConfig, Mode, did_you_mean, validate
+from moetrain.config import Config, ConfigError, GateConfig, Mode, SettingError, did_you_mean, validate
 from moetrain.data import DataModule
 from moetrain.models.presets import PRESETS
 from moetrain.models.routing import flat_routing, layer_kwargs, setting_owners
@@ -133,6 +143,41 @@ def register_configs() -> None:
 # ---- turning errors into one line -----------------------------------------------------------------
 def _one_line(text: str) -> str:
     return " ".join(line.strip() for line in str(text).splitlines() if line.strip())
+
+
+# The library names a setting as its Python API does: a field of a settings dataclass
+# (TrainerConfig.device='cuda') or a builder's argument (root='data'). The command line names it by
+# its config key (trainer.device=cuda, data.root=data), with the value as an override writes it.
+_GROUP_OF_SCHEMA = {hint.__name__: name for name, hint in typing.get_type_hints(Config).items()
+                    if dataclasses.is_dataclass(hint)}  # TrainerConfig -> trainer, ...
+_WORD = r"'[^']*'|\"[^\"]*\"|[^\s,;:()|'\"]+"
+_VALUE = rf"(?:{_WORD})(?:\|(?:{_WORD}))*"  # one Python value, or alternatives joined by |
+_OVERRIDE_LITERALS = {"True": "true", "False": "false", "None": "null"}
+
+
+def _override_value(python: str) -> str:
+    """'cuda' -> cuda, True -> true, None -> null, 'fsdp'|'fsdp_expert' -> fsdp|fsdp_expert."""
+    return "|".join(_OVERRIDE_LITERALS.get(word, word.strip("'\"")) for word in re.findall(_WORD, python))
+
+
+def in_config_keys(message: str, group: str | None = None, arguments=()) -> str:
+    """A library error's message in the command line's terms: each settings dataclass (alone or
+    with a field: TrainerConfig.resume='x') becomes its config group or key (trainer.resume=x);
+    with `group`, each `NAME=VALUE` of `arguments` (the keyword arguments of the group's _target_)
+    becomes group.NAME=VALUE."""
+
+    def schema_key(match: re.Match) -> str:
+        schema, field, value = match.group(1), match.group(2), match.group(3)
+        key = _GROUP_OF_SCHEMA[schema] + (f".{field}" if field else "")
+        return key + (f"={_override_value(value)}" if value is not None else "")
+
+    schemas = "|".join(_GROUP_OF_SCHEMA)
+    message = re.sub(rf"(?<![\w./])({schemas})(?:\.(\w+))?(?:=({_VALUE}))?", schema_key, message)
+    if group and arguments:
+        names = "|".join(re.escape(name) for name in arguments)
+        message = re.sub(rf"(?<![\w./])({names})=({_VALUE})",
+                         lambda match: f"{group}.{match.group(1)}={_override_value(match.group(2))}", message)
+    return _one_line(message)
 
 
 def _omegaconf_cause(error: BaseException) -> OmegaConfBaseException | None:
@@ -292,10 +337,11 @@ def checked(cfg: DictConfig) -> Config:
 
 
 def check_command_line(overrides: list[str], multirun: bool, config_dir: str | None = None,
-                       build_data: bool = False) -> None:
+                       build_data: bool = False) -> DictConfig | None:
     """Compose every run the command line asks for and check it: the config, the folders it names
     (where the run directory goes, trainer.resume) and, with build_data, its data set, so that a bad
-    input fails before Hydra makes a run directory. Raises ConfigError."""
+    input fails before a run directory is made. Returns the one run's composed config (its hydra
+    node included) to run as it is; None for a sweep. Raises ConfigError."""
     if config_dir:  # --config-dir: the user's own configs, searched after moetrain's
         overrides = overrides + [f"hydra.searchpath=[file://{Path(config_dir).resolve()}]"]
     try:
@@ -325,8 +371,9 @@ def check_command_line(overrides: list[str], multirun: bool, config_dir: str | N
         built = set()
         for run in runs:
             try:
-                cfg = hydra.compose(config_name=CONFIG_NAME, overrides=list(run), return_hydra_config=True)
-                output_dir = _output_dir(cfg, multirun)
+                composed = hydra.compose(config_name=CONFIG_NAME, overrides=list(run), return_hydra_config=True)
+                output_dir = _output_dir(composed, multirun)  # ${now:...} is resolved once per composed config
+                cfg = copy.deepcopy(composed)
                 with open_dict(cfg):
                     del cfg["hydra"]
                 config = checked(cfg)
@@ -335,7 +382,10 @@ def check_command_line(overrides: list[str], multirun: bool, config_dir: str | N
             except Exception as error:
                 raise ConfigError(_explain(error, list(run))) from None
             # The device is checked here, not in checked(): a GPU recipe still composes on a CPU machine.
-            resolve_device(config.trainer.device)
+            try:
+                resolve_device(config.trainer.device)
+            except SettingError as error:
+                raise ConfigError(in_config_keys(str(error), "trainer", ["device"])) from None
             if output_dir is not None:
                 check_output_dir(Path(output_dir), "hydra.sweep.dir" if multirun else "hydra.run.dir")
             check_resume_path(config.trainer.resume)
@@ -345,6 +395,7 @@ def check_command_line(overrides: list[str], multirun: bool, config_dir: str | N
                 data = _build_data(config)
                 if not multirun:  # the run itself uses it (a sweep's jobs build their own)
                     _PREBUILT_DATA[key] = data
+    return None if multirun else composed
 
 
 def sweep_runs(parsed: list) -> list[list[str]]:
@@ -445,7 +496,16 @@ def _instantiate(group: str, node: dict, **kwargs):
         cause = error.__cause__
         if isinstance(cause, (ConfigError, ExtensionUnavailable)):
             raise cause from None
-        raise ConfigError(f"{group} ({node['_target_']}): {_one_line(cause or error)}") from None
+        message = in_config_keys(str(cause or error), group, _arguments(node["_target_"]))
+        if isinstance(cause, SettingError):  # says which of the group's keys to change: no prefix needed
+            raise ConfigError(message) from None
+        raise ConfigError(f"{group} ({node['_target_']}): {message}") from None
+
+
+def _arguments(path: str) -> list[str]:
+    """The keyword arguments of the callable a _target_ names (check_target imported it already)."""
+    parameters = inspect.signature(import_object(path)).parameters
+    return [name for name, p in parameters.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
 
 
 def build(config: Config) -> tuple[DataModule, torch.nn.Module]:
@@ -478,7 +538,7 @@ def train(cfg: DictConfig, run_dir: Path, distributed: bool = False) -> dict:
         run_dir=run_dir,
         seed=config.seed,
         run_config=OmegaConf.to_container(cfg, resolve=True, enum_to_str=True),
-        strategy=Distributed(config.parallel) if distributed else None,
+        processes=Distributed(config.parallel) if distributed else None,
     )
     if config.mode == Mode.eval:
         return evaluate_quantized(trainer, config.quant, lambda: build_model(config, data))
@@ -513,7 +573,9 @@ def _file_system_error(error: OSError, run_dir: Path) -> str:
             f"the way; {kept}; continue with: {_resume_command(run_dir)}")
 
 
-REPORTED = (ExtensionUnavailable, ConfigError, NonFiniteLoss, Terminated, OSError)
+# The library's errors that end a run with one line (a bug keeps its traceback).
+REPORTED = (ExtensionUnavailable, ConfigError, SettingError, checkpoint.CheckpointError, NonFiniteLoss, Terminated,
+            OSError)
 
 
 def _error_line(error: BaseException, run_dir: Path) -> tuple[str, int]:
@@ -522,13 +584,14 @@ def _error_line(error: BaseException, run_dir: Path) -> tuple[str, int]:
     not be read or written (2)."""
     if isinstance(error, ExtensionUnavailable):
         return f"{error} (on the command line: gate.impl=torch)", EXIT_CONFIG_ERROR
-    if isinstance(error, ConfigError):
+    if isinstance(error, (ConfigError, SettingError, checkpoint.CheckpointError)):
         _remove_partial_checkpoints(run_dir)  # a checkpoint write that failed leaves no .tmp behind
-        return str(error), EXIT_CONFIG_ERROR
+        return in_config_keys(str(error)), EXIT_CONFIG_ERROR
     if isinstance(error, NonFiniteLoss):
-        return str(error), EXIT_TRAINING_FAILED
+        return in_config_keys(str(error)), EXIT_TRAINING_FAILED
     if isinstance(error, Terminated):
-        return str(error), error.exit_code
+        return (f"stopped by SIGTERM at step {error.step} after saving its checkpoint; continue with the same "
+                f"command plus hydra.run.dir={error.run_dir} trainer.resume=auto"), error.exit_code
     return _file_system_error(error, run_dir), EXIT_CONFIG_ERROR
 
 
@@ -585,7 +648,8 @@ class RunDirectoryLock(Callback):
             try:
                 lock_run_directory(Path(str(config.hydra.run.dir)))
             except RunDirectoryBusy as error:
-                _fail(str(error), EXIT_CONFIG_ERROR)
+                _fail(f"{error.run_dir} is in use by another moetrain run (pid and host: {error.holder}): wait for "
+                      "it to end, or give this run its own hydra.run.dir", EXIT_CONFIG_ERROR)
 
 
 # ---- several processes --------------------------------------------------------------------------
@@ -629,7 +693,7 @@ def _report_sigterm(stopped: WorkersTerminated, run_dir: Path) -> typing.NoRetur
     """SIGTERM reached the launcher and, through it, every worker: rank 0 says where it stopped."""
     first = stopped.exits[0]
     if isinstance(first.error, Terminated):
-        _fail(str(first.error), first.error.exit_code)
+        _fail(*_error_line(first.error, run_dir))
     _remove_partial_checkpoints(run_dir)
     _fail(f"{stopped}; continue from the last checkpoint with: {_resume_command(run_dir)}", 128 + signal.SIGTERM)
 
@@ -686,6 +750,39 @@ def _task(cfg: DictConfig) -> None:
         raise
 
 
+class _JobCallbacks:
+    """The callbacks of hydra.callbacks (conf/config.yaml), notified as Hydra notifies them."""
+
+    def __init__(self, cfg: DictConfig):
+        self.callbacks = [hydra.utils.instantiate(node) for node in (cfg.hydra.callbacks or {}).values()]
+
+    def notify(self, event: str, reverse: bool = False, **kwargs) -> None:
+        for callback in reversed(self.callbacks) if reverse else self.callbacks:
+            getattr(callback, event)(**kwargs)
+
+    def on_job_start(self, **kwargs) -> None:
+        self.notify("on_job_start", **kwargs)
+
+    def on_job_end(self, **kwargs) -> None:
+        self.notify("on_job_end", reverse=True, **kwargs)
+
+
+def run_composed(cfg: DictConfig) -> None:
+    """Run one composed and checked config (its hydra node included) as Hydra's entry point runs a
+    single run, through Hydra's public job runner: the run directory, its .hydra/ copy of the
+    config, logging, then `_task`. The config check_command_line composed is the one that runs."""
+    with open_dict(cfg.hydra):
+        cfg.hydra.mode = RunMode.RUN
+    callbacks = _JobCallbacks(cfg)
+    callbacks.notify("on_run_start", config=cfg, config_name=CONFIG_NAME)
+    with hydra.initialize_config_module(config_module=CONFIG_MODULE, version_base="1.3"):
+        context = HydraContext(config_loader=GlobalHydra.instance().config_loader(), callbacks=callbacks)
+        result = run_job(task_function=_task, config=cfg, job_dir_key="hydra.run.dir", job_subdir_key=None,
+                         hydra_context=context)
+    callbacks.notify("on_run_end", reverse=True, config=cfg, config_name=CONFIG_NAME, job_return=result)
+    result.return_value  # noqa: B018 - raises the task's error, as Hydra's entry point does
+
+
 def command_line_parser() -> argparse.ArgumentParser:
     """The flags `moetrain` reads before handing the command line to Hydra's entry point (Hydra's
     own flags, with the values they take, so that none is mistaken for an override)."""
@@ -716,9 +813,14 @@ def _main() -> None:
     if not (args.help or args.hydra_help or args.shell_completion or args.info):
         try:
             # --cfg only prints the config: no data set is built (nor downloaded) for it.
-            check_command_line(args.overrides, args.multirun, args.config_dir, build_data=not args.cfg)
+            composed = check_command_line(args.overrides, args.multirun, args.config_dir, build_data=not args.cfg)
         except ConfigError as error:
             _fail(str(error), EXIT_CONFIG_ERROR)
+        single_run = composed is not None and composed.hydra.mode != RunMode.MULTIRUN
+        if single_run and not (args.cfg or args.experimental_rerun):
+            run_composed(composed)  # one run: composed once, checked, run as it is
+            return
+    # Help, --cfg, --info, a sweep (whose sweeper composes each job) and the rest: Hydra's entry point.
     hydra.main(version_base="1.3", config_path=f"pkg://{CONFIG_MODULE}", config_name=CONFIG_NAME)(_task)()
 
 

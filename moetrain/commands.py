@@ -39,7 +39,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 import moetrain
 from moetrain import cli, ops
-from moetrain.config import ConfigError, Device, QuantConfig, did_you_mean
+from moetrain.config import ConfigError, Device, QuantConfig, SettingError, did_you_mean
 from moetrain.evaluate import evaluate_run
 from moetrain.export import ARCHITECTURES, EXPORTABLE, export_hf
 from moetrain.generate import check_settings, stream_text
@@ -47,13 +47,14 @@ from moetrain.models.hf import CheckpointError as HFCheckpointError
 from moetrain.moe import MoELayer
 from moetrain.ops import ExtensionUnavailable
 from moetrain.quant import FORMATS, QuantPolicy
-from moetrain.run import Run, load_run
+from moetrain.run import Run, RunError, load_run
 from moetrain.train import resolve_device
+from moetrain.train.checkpoint import CheckpointError
 
 COMMANDS = ("eval", "generate", "export")
 # The config groups eval's overrides may choose or change; the model is the run's own.
 EVAL_GROUPS = ("data", "quant")
-REPORTED = (ConfigError, HFCheckpointError, ExtensionUnavailable, OSError)  # ConfigError: RunError and the like
+REPORTED = (ConfigError, RunError, SettingError, CheckpointError, HFCheckpointError, ExtensionUnavailable, OSError)
 
 USAGE = """\
 usage: moetrain [+recipe=NAME] [GROUP=OPTION] [KEY=VALUE ...]   train (the config groups and keys are below)
@@ -87,7 +88,7 @@ def _step(text: str) -> int:
 def _device(text: str) -> torch.device:
     try:
         return resolve_device(Device(text))
-    except ValueError:  # ConfigError is a ValueError too: cuda without a GPU
+    except ValueError:  # SettingError is a ValueError too: cuda without a GPU
         if text in {device.value for device in Device}:
             raise argparse.ArgumentTypeError("cuda, but no CUDA GPU is visible: use --device auto or cpu") from None
         raise argparse.ArgumentTypeError(f"choose auto, cpu or cuda, not {text!r}") from None
@@ -436,4 +437,6 @@ def _error_line(error: BaseException) -> str:
     if isinstance(error, OSError):
         where = f" {error.filename}" if error.filename else ""
         return f"cannot use{where}: {error.strerror or error}: fix the path or its permissions"
-    return cli._one_line(error)
+    if isinstance(error, RunError) and error.data_target:  # the data builder's arguments are data.KEY
+        return cli.in_config_keys(str(error), "data", cli._arguments(error.data_target))
+    return cli.in_config_keys(str(error))

@@ -24,7 +24,15 @@ from typing import Any, Dict, List, Optional, Sequence
 
 
 class ConfigError(ValueError):
-    """A configuration mistake, reported to the user as one line naming the key and the fix."""
+    """A mistake in the composed configuration (a `Config`), named by its keys (`trainer.max_steps`):
+    raised by `validate` and by the command line, which reports it as one line naming the key and
+    the fix. Library code raises SettingError (or its own exception types) instead."""
+
+
+class SettingError(ValueError):
+    """A setting the library cannot use, named as the Python API spells it: a field of one of the
+    dataclasses below (`TrainerConfig.device='cuda'`) or a function's argument (`device='cuda'`),
+    with what to change. The command line rewrites these names into its config keys."""
 
 
 def did_you_mean(word: str, choices) -> str:

@@ -38,7 +38,6 @@ import numpy as np
 import torch
 from torch import nn
 
-from moetrain.config import ConfigError
 from moetrain.data.base import DataModule
 from moetrain.data.text import SUFFIXES, ByteTokenizer
 from moetrain.models.routing import layer_kwargs
@@ -51,9 +50,14 @@ _STEP = re.compile(r"^step_(\d+)(\.pt)?$")
 TEXT_DATA_TARGET = "moetrain.data.text.text"
 
 
-class RunError(ConfigError):
+class RunError(ValueError):
     """A run directory that cannot be loaded: missing, without checkpoints, no such step, a config
-    that does not build, or weights that do not fit the model. One line saying what and how to fix."""
+    that does not build, or weights that do not fit the model. One line saying what and how to fix.
+    data_target: the data builder whose arguments the message names, when it failed."""
+
+    def __init__(self, message: str, data_target: str | None = None):
+        super().__init__(message)
+        self.data_target = data_target
 
 
 @dataclass
@@ -121,8 +125,8 @@ def build_data(data_config: dict, seed: int = 0) -> DataModule:
         torch.manual_seed(seed)
         try:
             data = builder(**arguments)
-        except (ValueError, OSError, TypeError) as error:  # ConfigError is a ValueError
-            raise RunError(f"data ({data_config['_target_']}): {_one_line(error)}") from None
+        except (ValueError, OSError, TypeError) as error:
+            raise RunError(f"data ({data_config['_target_']}): {_one_line(error)}", data_config["_target_"]) from None
     if not isinstance(data, DataModule):
         raise RunError(f"data._target_={data_config['_target_']} returned {type(data).__name__}, not a DataModule")
     return data
@@ -194,7 +198,7 @@ def find_checkpoint(run_dir: str | Path, step: int | None = None) -> tuple[Path,
     folder = run_dir / checkpoint.CHECKPOINT_DIR
     entries = checkpoint.checkpoints(folder)
     if not entries:
-        raise RunError(f"no checkpoint in {folder}: the run saved none yet (trainer.checkpoint_every, or it "
+        raise RunError(f"no checkpoint in {folder}: the run saved none yet (TrainerConfig.checkpoint_every, or it "
                        "stopped before its first save); train it further or pass another run directory")
     if step is not None:
         if isinstance(step, bool) or not isinstance(step, int):

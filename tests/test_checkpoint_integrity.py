@@ -143,8 +143,8 @@ def dist_worker(rank: int, world_size: int, out_dir: str) -> None:
     logging.getLogger().setLevel(logging.INFO)
 
     def trainer(run_dir: Path, **settings):
-        strategy = Distributed(ParallelConfig(nproc_per_node=world_size, strategy="expert"))
-        return tiny_trainer(run_dir, strategy=strategy, **{"max_steps": 6, **settings})
+        processes = Distributed(ParallelConfig(nproc_per_node=world_size, strategy="expert"))
+        return tiny_trainer(run_dir, processes=processes, **{"max_steps": 6, **settings})
 
     results = {}
     trainer(out / "reference").fit()  # checkpoints at 2, 4, 6

@@ -142,6 +142,25 @@ def test_config_mistakes_exit_2_with_one_line(argv, message, monkeypatch, capsys
     expect_one_line_error(argv, message, monkeypatch, capsys, tmp_path)
 
 
+@pytest.mark.parametrize("library, command_line", [
+    ("TrainerConfig.resume='runs/x': no checkpoint there; or TrainerConfig.resume='auto'",
+     "trainer.resume=runs/x: no checkpoint there; or trainer.resume=auto"),
+    ("use ParallelConfig.strategy='fsdp'|'fsdp_expert' with ParallelConfig.nproc_per_node > 1",
+     "use parallel.strategy=fsdp|fsdp_expert with parallel.nproc_per_node > 1"),
+    ("ParallelConfig: zero applies to strategy=data|expert", "parallel: zero applies to strategy=data|expert"),
+    ("lower OptimConfig.lr, or set TrainerConfig.on_nonfinite='skip'", "lower optim.lr, or set trainer.on_nonfinite=skip"),
+    ("MyTrainerConfig.device and a/TrainerConfig.py stay", "MyTrainerConfig.device and a/TrainerConfig.py stay"),
+])
+def test_library_messages_name_config_keys_on_the_command_line(library, command_line):
+    assert cli.in_config_keys(library) == command_line
+
+
+def test_a_builders_arguments_become_the_groups_keys():
+    message = "CIFAR-10 not found under root='/tmp/x': set download=True, or give root=FOLDER; mode=None stays"
+    assert cli.in_config_keys(message, "data", ["root", "download"]) == (
+        "CIFAR-10 not found under data.root=/tmp/x: set data.download=true, or give data.root=FOLDER; mode=None stays")
+
+
 def test_interrupted_run_says_how_to_resume(monkeypatch, capsys, tmp_path):
     argv = ["+recipe=quickstart", *TINY_RUN, *TINY_SYNTHETIC, "logger=none"]
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 from torchvision import transforms
 
-from moetrain.config import ConfigError
+from moetrain.config import SettingError
 from moetrain.data import SeededTransform, cifar10, mnist, synthetic
 from moetrain.data.images import CIFAR10_MEAN, CIFAR10_STD, MNIST_MEAN, MNIST_STD
 from moetrain.train.stream import BatchStream
@@ -31,9 +31,9 @@ def test_cifar10_reads_the_pickled_batches(cifar10_root):
 
 
 def test_cifar10_checks_checksums_and_presence(cifar10_root, tmp_path):
-    with pytest.raises(ConfigError, match="data.verify_checksums=false"):
+    with pytest.raises(SettingError, match="verify_checksums=False"):
         cifar10(str(cifar10_root), download=False, verify_checksums=True)
-    with pytest.raises(ConfigError, match="data.download=true"):
+    with pytest.raises(SettingError, match="download=True"):
         cifar10(str(tmp_path / "empty"), download=False, verify_checksums=False)
 
 
@@ -74,9 +74,9 @@ def test_mnist_reads_the_idx_files(mnist_root):
 
 
 def test_mnist_checks_checksums_and_presence(mnist_root, tmp_path):
-    with pytest.raises(ConfigError, match="data.verify_checksums=false"):
+    with pytest.raises(SettingError, match="verify_checksums=False"):
         mnist(str(mnist_root), download=False, verify_checksums=True)
-    with pytest.raises(ConfigError, match="data.download=true"):
+    with pytest.raises(SettingError, match="download=True"):
         mnist(str(tmp_path / "empty"), download=False)
 
 
@@ -149,7 +149,7 @@ def test_mnist_files_that_are_not_mnist_are_named_with_the_fault(damage, mnist_r
         content = labels.read_bytes()
         labels.write_bytes(content[:4] + (15).to_bytes(4, "big") + content[8:-1])
         expected = "t10k-images-idx3-ubyte and t10k-labels-idx1-ubyte in .* hold 16 images but 15 labels"
-    with pytest.raises(ConfigError, match=expected):
+    with pytest.raises(SettingError, match=expected):
         mnist(str(root), download=False, verify_checksums=False)
 
 
@@ -157,7 +157,7 @@ def test_cifar10_files_that_are_not_cifar10_are_named(cifar10_root, tmp_path):
     root = _copy(cifar10_root, tmp_path)
     folder = root / "cifar-10-batches-py"
     (folder / "data_batch_4").write_bytes(np.random.default_rng().integers(0, 256, 500, dtype=np.uint8).tobytes())
-    with pytest.raises(ConfigError, match="cifar-10-batches-py/data_batch_4 is not a pickled CIFAR-10 batch"):
+    with pytest.raises(SettingError, match="cifar-10-batches-py/data_batch_4 is not a pickled CIFAR-10 batch"):
         cifar10(str(root), download=False, verify_checksums=False)
     (folder / "data_batch_4").write_bytes((cifar10_root / "cifar-10-batches-py" / "data_batch_4").read_bytes())
     with open(folder / "test_batch", "rb") as f:
@@ -166,5 +166,5 @@ def test_cifar10_files_that_are_not_cifar10_are_named(cifar10_root, tmp_path):
     batch["labels"][index] = -1
     with open(folder / "test_batch", "wb") as f:
         pickle.dump(batch, f)
-    with pytest.raises(ConfigError, match=rf"test_batch has 1 labels outside the 10 classes 0..9 \(the first: -1 of image {index}\)"):
+    with pytest.raises(SettingError, match=rf"test_batch has 1 labels outside the 10 classes 0..9 \(the first: -1 of image {index}\)"):
         cifar10(str(root), download=False, verify_checksums=False)

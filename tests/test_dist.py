@@ -121,7 +121,7 @@ def test_wrong_world_size_is_refused():
         ckpt.check_world_size(shard, 2)
 
 
-def test_parallel_arguments_need_a_strategy():
+def test_parallel_arguments_need_expert_parallelism():
     layer = MoELayer(8, 4, 16)
     with pytest.raises(ValueError, match="adaptive_r and a2a_ffn_overlap_degree need expert parallelism"):
         layer(torch.randn(5, 8), adaptive_r=1)

@@ -130,8 +130,8 @@ def _compare(results: dict, tag: str, settings: dict, call: dict, tokens: tuple,
         for name, p in reference.experts.named_parameters():
             expert_grads[name] += p.grad
 
-    strategy = parallelize(layer)[0]
-    local = strategy.layout.local_slice
+    expert_parallel = parallelize(layer)[0]
+    local = expert_parallel.layout.local_slice
     leaf = xs[rank].clone().requires_grad_()
     y = layer(leaf, **call)
     ((y * gs[rank]).sum() + layer.aux_loss).backward()

@@ -5,6 +5,7 @@ AST), so a late or conditional import counts too."""
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import moetrain
@@ -60,14 +61,63 @@ def test_quant_does_not_import_data_or_models():
     assert {name: found for name, found in offenders.items() if found} == {}
 
 
-def test_the_trainer_does_not_import_models_and_strategies_do_not_import_each_other():
+def test_the_trainer_does_not_import_models_and_the_processes_do_not_import_each_other():
     assert not any(name.startswith("moetrain.models") for name in imported(MODULES["moetrain.train.trainer"]))
-    strategy, training = MODULES["moetrain.train.strategy"], MODULES["moetrain.parallel.training"]
-    assert not any(name.startswith("moetrain.parallel.training") for name in imported(strategy))
-    assert not any(name.startswith("moetrain.train.strategy") for name in imported(training))
+    single, distributed = MODULES["moetrain.train.processes"], MODULES["moetrain.parallel.training"]
+    assert not any(name.startswith("moetrain.parallel.training") for name in imported(single))
+    assert not any(name.startswith("moetrain.train.processes") for name in imported(distributed))
 
 
 def test_no_module_uses_hydras_internals():
     offenders = {name: sorted(n for n in imported(path) if n.startswith("hydra._internal"))
                  for name, path in MODULES.items()}
     assert {name: found for name, found in offenders.items() if found} == {}
+
+
+# The library raises plain errors in the Python API's terms; only the command line names config keys.
+CONFIG_ERROR_ALLOWED = COMMAND_LINE | {"moetrain.config"}
+# The groups whose settings the library receives as dataclasses (gate keys are still named by
+# moetrain.models.routing and moetrain.export, which read the flat gate node).
+CONFIG_GROUPS = ("trainer", "parallel", "optim", "logger", "hydra")
+CONFIG_KEY = re.compile(rf"(?<![\w.])({'|'.join(CONFIG_GROUPS)})\.[a-z_]+")
+
+
+def raised_texts(path: Path) -> list[tuple[int, str]]:
+    """(line, text) of each string constant (f-string parts included) inside a `raise` statement,
+    or returned by a function that builds an error (annotated to return one, or named *_error)."""
+    texts = []
+    tree = ast.parse(path.read_text(), str(path))
+    error_builders = [node for node in ast.walk(tree) if isinstance(node, ast.FunctionDef)
+                      and (node.name.lower().endswith("error") or "Error" in ast.unparse(node.returns or ast.Pass()))]
+    roots = [node for node in ast.walk(tree) if isinstance(node, ast.Raise)]
+    roots += [ret for function in error_builders for ret in ast.walk(function) if isinstance(ret, ast.Return)]
+    for root in roots:
+        for node in ast.walk(root):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str):
+                texts.append((node.lineno, node.value))
+    return texts
+
+
+def test_the_scan_sees_raised_messages(tmp_path):
+    sample = tmp_path / "sample.py"
+    sample.write_text('def f(x):\n    raise ValueError(f"trainer.device={x}: use " "trainer.device=cpu")\n'
+                      'def _download_failed() -> OSError:\n    return OSError("set parallel.strategy=data")\n')
+    assert [CONFIG_KEY.search(text).group(0) for _, text in raised_texts(sample)] == [
+        "trainer.device", "trainer.device", "parallel.strategy"]
+
+
+def test_only_the_command_line_knows_config_errors():
+    offenders = {name: sorted(n for n in imported(path) if n == "moetrain.config.ConfigError")
+                 for name, path in MODULES.items() if name not in CONFIG_ERROR_ALLOWED}
+    assert {name: found for name, found in offenders.items() if found} == {}
+    mentions = {name for name, path in MODULES.items()
+                if name not in CONFIG_ERROR_ALLOWED and re.search(r"\bConfigError\b", path.read_text())}
+    assert mentions == set()
+
+
+def test_library_errors_name_no_config_keys():
+    """A library module's raised messages name settings as Python does (TrainerConfig.device='cuda',
+    device='cuda'), never as config keys (trainer.device=cuda): the command line rewrites them."""
+    offenders = {f"{name}:{line}": text for name, path in MODULES.items() if name not in CONFIG_ERROR_ALLOWED
+                 for line, text in raised_texts(path) if CONFIG_KEY.search(text)}
+    assert offenders == {}

@@ -27,11 +27,11 @@ import torch.distributed as dist
 
 from moetrain.config import (
     ActivationCheckpointing,
-    ConfigError,
     Device,
     LoggerConfig,
     OptimConfig,
     ParallelConfig,
+    SettingError,
     TrainerConfig,
 )
 from moetrain.data import synthetic
@@ -75,7 +75,7 @@ def tiny_trainer(run_dir: Path, world_size: int = 1, strategy=None, max_steps: i
     optim = OptimConfig(lr=lr, warmup_steps=0, min_lr_ratio=1.0)
     return Trainer(model, data, trainer=TrainerConfig(**settings), optim=optim,
                    logger=LoggerConfig(tensorboard=False, log_every=max_steps), run_dir=run_dir, seed=0,
-                   run_config={"model": {"name": "tiny"}}, strategy=strategy)
+                   run_config={"model": {"name": "tiny"}}, processes=strategy)
 
 
 def record_steps(trainer: Trainer, loads: list | None = None) -> list[tuple[float, float, float]]:
@@ -129,7 +129,7 @@ def sharded_experts_refusals(sharded_model, world_size: int) -> list[str]:
     messages = []
     for settings in (dict(adaptive_r=0), dict(a2a_ffn_overlap_degree=2)):
         strategy = Distributed(ParallelConfig(nproc_per_node=world_size, strategy="fsdp_expert", **settings))
-        with pytest.raises(ConfigError) as refused:
+        with pytest.raises(SettingError) as refused:
             strategy.build_optimizer(tiny_model(), OptimConfig())
         messages.append(str(refused.value))
     with pytest.raises(ValueError) as refused:

@@ -27,7 +27,7 @@ from moetrain.train.lock import RunDirectoryBusy, lock_run_directory, unlock_run
 from moetrain.train.trainer import Terminated
 
 
-def tiny_trainer(run_dir: Path, optim: OptimConfig | None = None, seed: int = 0, strategy=None,
+def tiny_trainer(run_dir: Path, optim: OptimConfig | None = None, seed: int = 0, processes=None,
                  **trainer_settings) -> Trainer:
     """A small MoE ViT on a synthetic 4-class task (6 batches of 8 per epoch), dropout and router jitter on."""
     settings = dict(max_steps=8, eval_every=0, eval_batches=1, checkpoint_every=2, keep_checkpoints=0,
@@ -44,7 +44,7 @@ def tiny_trainer(run_dir: Path, optim: OptimConfig | None = None, seed: int = 0,
               "trainer": {"max_steps": settings["max_steps"]}}
     return Trainer(model, data, trainer=TrainerConfig(**settings), optim=optim,
                    logger=LoggerConfig(tensorboard=False, log_every=1), run_dir=run_dir, seed=0, run_config=config,
-                   strategy=strategy)
+                   processes=processes)
 
 
 def reference_lr(step: int, lr: float, warmup_steps: int, min_lr_ratio: float, max_steps: int) -> float:

@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from moetrain.config import ConfigError, LoggerConfig, NonFinite, OptimConfig, TrainerConfig
+from moetrain.config import LoggerConfig, NonFinite, OptimConfig, TrainerConfig
 from moetrain.data import synthetic
 from moetrain.models import VisionMoE
 from moetrain.moe import is_expert_param
@@ -78,7 +78,7 @@ def test_resume_refuses_a_checkpoint_of_another_model(tmp_path):
     make_trainer(tmp_path, max_steps=1).fit()
     other = make_trainer(tmp_path, max_steps=2, resume="auto")
     other.run_config = {"model": {"name": "another"}}
-    with pytest.raises(ConfigError, match="different model config"):
+    with pytest.raises(checkpoint.CheckpointError, match="different model config"):
         other.fit()
 
 
@@ -160,7 +160,7 @@ def test_checkpoints_are_written_whole_and_pruned(tmp_path):
     assert checkpoint.find("auto", tmp_path) == files[-1] and checkpoint.find("auto", tmp_path / "new_run") is None
     checkpoint.checksum_path(files[-1]).unlink()  # step 3 no longer counts as complete
     assert checkpoint.find(str(tmp_path), tmp_path / "elsewhere") == files[0]
-    with pytest.raises(ConfigError, match="trainer.resume"):
+    with pytest.raises(checkpoint.CheckpointError, match="TrainerConfig.resume="):
         checkpoint.candidates(str(tmp_path / "missing"), tmp_path)
 
 

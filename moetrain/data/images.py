@@ -1,6 +1,6 @@
 """CIFAR-10 and MNIST through torchvision: its download code, its on-disk formats, our checks.
 
-With `download=False` a missing data set is a configuration error naming data.root and the fix.
+With `download=False` a missing data set is a SettingError naming `root` and the fix.
 `verify_checksums=True` (the default) checks every file against torchvision's published MD5s;
 turn it off only for files you made yourself (the tests fabricate small data sets this way).
 """
@@ -13,7 +13,7 @@ import struct
 
 import numpy as np
 
-from moetrain.config import ConfigError
+from moetrain.config import SettingError
 from moetrain.data.base import DataModule, SeededTransform
 
 CIFAR10_MEAN, CIFAR10_STD = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)
@@ -44,10 +44,10 @@ def _root(root: str) -> str:
     return os.path.abspath(os.path.expanduser(root))
 
 
-def _download_failed(name: str, root: str, folder: str, error: Exception) -> ConfigError:
-    return ConfigError(
-        f"downloading {name} to data.root={root} failed ({type(error).__name__}: {error}): check the network, "
-        f"or copy {folder} there yourself and set data.download=false"
+def _download_failed(name: str, root: str, folder: str, error: Exception) -> SettingError:
+    return SettingError(
+        f"downloading {name} to root={root!r} failed ({type(error).__name__}: {error}): check the network, "
+        f"or copy {folder} there yourself and set download=False"
     )
 
 
@@ -77,8 +77,8 @@ def _cifar_file_problem(path: str, meta: bool) -> str | None:
     return None
 
 
-def _cifar_error(root: str, dataset_class, fallback: str) -> ConfigError:
-    """A ConfigError naming the first broken file of cifar-10-batches-py and what is wrong with it."""
+def _cifar_error(root: str, dataset_class, fallback: str) -> SettingError:
+    """A SettingError naming the first broken file of cifar-10-batches-py and what is wrong with it."""
     folder = os.path.join(root, dataset_class.base_folder)
     files = [name for name, _ in dataset_class.train_list + dataset_class.test_list]
     for name in files + [dataset_class.meta["filename"]]:
@@ -86,8 +86,8 @@ def _cifar_error(root: str, dataset_class, fallback: str) -> ConfigError:
         if problem:
             fallback = f"CIFAR-10 file {os.path.join(folder, name)} {problem}"
             break
-    return ConfigError(f"{fallback}: these are not CIFAR-10's files; delete {folder} and download again "
-                       "(data.download=true), or fix the file")
+    return SettingError(f"{fallback}: these are not CIFAR-10's files; delete {folder} and download again "
+                        "(download=True), or fix the file")
 
 
 def cifar10(
@@ -115,19 +115,19 @@ def cifar10(
         raise _download_failed("CIFAR-10", root, "cifar-10-batches-py", error) from None
     except RuntimeError:
         found = os.path.isdir(os.path.join(root, datasets.CIFAR10.base_folder))
-        raise ConfigError(
-            f"CIFAR-10 {'is incomplete or fails its checksums' if found else 'not found'} under data.root={root}: "
+        raise SettingError(
+            f"CIFAR-10 {'is incomplete or fails its checksums' if found else 'not found'} under root={root!r}: "
             + (
-                "re-download it, or set data.verify_checksums=false for files you made yourself"
+                "re-download it, or set verify_checksums=False for files you made yourself"
                 if found
-                else "set data.download=true, or point data.root at the folder holding cifar-10-batches-py"
+                else "set download=True, or give root=FOLDER, the folder holding cifar-10-batches-py"
             )
         ) from None
     except Exception as error:  # files that exist but are not CIFAR-10 batches
-        raise _cifar_error(root, dataset_class, f"CIFAR-10 under data.root={root} does not load ({error})") from None
+        raise _cifar_error(root, dataset_class, f"CIFAR-10 under root={root!r} does not load ({error})") from None
     for split in (train, test):
         if not all(isinstance(label, int) and 0 <= label < 10 for label in split.targets):
-            raise _cifar_error(root, dataset_class, f"CIFAR-10 under data.root={root} has labels outside 0..9")
+            raise _cifar_error(root, dataset_class, f"CIFAR-10 under root={root!r} has labels outside 0..9")
     normalize = [transforms.ToTensor(), transforms.Normalize(CIFAR10_MEAN, CIFAR10_STD)]
     augmentation = [transforms.RandomCrop(32, padding=4), transforms.RandomHorizontalFlip()] if augment else []
     test.transform = transforms.Compose(normalize)
@@ -151,9 +151,9 @@ def _verify_mnist(raw_folder: str) -> None:
         path = os.path.join(raw_folder, filename)
         if not check_integrity(path, md5):
             problem = "is missing" if not os.path.exists(path) else "fails its MD5 check"
-            raise ConfigError(
+            raise SettingError(
                 f"MNIST archive {path} {problem}, so the data cannot be verified: delete {raw_folder} and "
-                "download again (data.download=true), or set data.verify_checksums=false for files you made yourself"
+                "download again (download=True), or set verify_checksums=False for files you made yourself"
             )
 
 
@@ -199,13 +199,13 @@ def _check_mnist_files(raw_folder: str) -> None:
         except OSError as error:
             problem = f"cannot be read ({error.strerror})"
         if problem:
-            raise ConfigError(f"MNIST file {path} {problem}: it is not MNIST's; delete {raw_folder} and download "
-                              "again (data.download=true), or fix the file")
+            raise SettingError(f"MNIST file {path} {problem}: it is not MNIST's; delete {raw_folder} and download "
+                               "again (download=True), or fix the file")
     for split in ("train", "t10k"):
         images, labels = counts[f"{split}-images-idx3-ubyte"], counts[f"{split}-labels-idx1-ubyte"]
         if images != labels:
-            raise ConfigError(f"MNIST files {split}-images-idx3-ubyte and {split}-labels-idx1-ubyte in {raw_folder} "
-                              f"hold {images} images but {labels} labels: delete {raw_folder} and download again")
+            raise SettingError(f"MNIST files {split}-images-idx3-ubyte and {split}-labels-idx1-ubyte in {raw_folder} "
+                               f"hold {images} images but {labels} labels: delete {raw_folder} and download again")
 
 
 def mnist(
@@ -229,9 +229,9 @@ def mnist(
     except RuntimeError as error:
         if download:  # torchvision raises RuntimeError when every download mirror failed
             raise _download_failed("MNIST", root, "MNIST/raw", error) from None
-        raise ConfigError(
-            f"MNIST not found under data.root={root}: set data.download=true, "
-            "or point data.root at the folder holding MNIST/raw"
+        raise SettingError(
+            f"MNIST not found under root={root!r}: set download=True, "
+            "or give root=FOLDER, the folder holding MNIST/raw"
         ) from None
     if verify_checksums:
         _verify_mnist(train.raw_folder)

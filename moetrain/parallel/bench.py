@@ -220,7 +220,7 @@ def _setups(args) -> list[tuple[str, int]]:
 
 def _multi_gpu(rank: int, world: int, args, out_path: str) -> None:
     model = _build(args)
-    strategies = parallelize(model, adaptive_r=1)
+    expert_parallel_layers = parallelize(model, adaptive_r=1)  # each MoE layer's ExpertParallel
     optimizer = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1e-6), model)
     results = {}
 
@@ -234,8 +234,8 @@ def _multi_gpu(rank: int, world: int, args, out_path: str) -> None:
 
     record("exchange", _run_row(lambda: _time_exchange(args, peer_memory=False)))
     for exchange, degree in _setups(args):
-        for strategy in strategies:
-            strategy.exchange = exchange
+        for expert_parallel in expert_parallel_layers:
+            expert_parallel.exchange = exchange
         row = _run_row(lambda: _measure(model, optimizer, args, a2a_ffn_overlap_degree=degree))
         record(f"{exchange}:{degree}", row)
     if "peer_memory" in args.exchange:

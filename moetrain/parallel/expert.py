@@ -152,9 +152,9 @@ def _mean_gradient_experts(experts, params, x_RD, counts, capacity, world_size, 
     return _ScaleGradient.apply(y_RD, 1.0 / world_size)
 
 
-_SHARDED_EXPERTS = ("adaptive_r={r}, a2a_ffn_overlap_degree={overlap}: experts sharded by FSDP (parallel.strategy="
-                    "fsdp_expert) run once per call with r = 1; the adaptive degree and the chunked overlap need "
-                    "parallel.strategy=expert")
+_SHARDED_EXPERTS = ("adaptive_r={r}, a2a_ffn_overlap_degree={overlap}: experts sharded by FSDP "
+                    "(ParallelConfig.strategy='fsdp_expert') run once per call with r = 1; the adaptive degree and "
+                    "the chunked overlap need ParallelConfig.strategy='expert'")
 
 
 class ExpertParallel:

@@ -1,10 +1,10 @@
-"""Training-state bytes per rank in each parallel layout, and peak memory of a step.
+"""Training-state bytes per rank under each parallel strategy, and peak memory of a step.
 
     python -m moetrain.parallel.memory                                   # qwen3_moe_tiny, W = 1, 2, 4, CPU/Gloo
-    python -m moetrain.parallel.memory --preset moe_1b5 --world-sizes 1 2 4 8 --layouts fsdp fsdp_expert
+    python -m moetrain.parallel.memory --preset moe_1b5 --world-sizes 1 2 4 8 --strategies fsdp fsdp_expert
 
-For each world size W and layout, W processes (Gloo on CPUs, NCCL when there are W GPUs) build the
-model, lay it out (moetrain.parallel.training.Distributed), take --steps training steps (forward,
+For each world size W and parallel strategy, W processes (Gloo on CPUs, NCCL when there are W GPUs)
+build the model, lay it out (moetrain.parallel.training.Distributed), take --steps training steps (forward,
 backward, AdamW) on random tokens and report, per rank (the largest over ranks):
 
   params      bytes of the parameters this rank stores (its shards: DTensor local tensors);
@@ -15,7 +15,7 @@ backward, AdamW) on random tokens and report, per rank (the largest over ranks):
               of the process's peak resident set during the steps on a CPU (allocator-dependent:
               a rough figure, reported as such).
 
-W = 1 rows run the same layout code on one rank. A layout that cannot run at some W (experts that
+W = 1 rows run the same strategy code on one rank. A strategy that cannot run at some W (experts that
 do not divide over the ranks) prints its error in its row.
 """
 
@@ -31,7 +31,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-LAYOUTS = ("data", "expert", "fsdp", "fsdp_expert")
+from moetrain.config import ParallelStrategy
+
+STRATEGIES = tuple(strategy.value for strategy in ParallelStrategy)
 
 
 def _local_bytes(tensor: torch.Tensor | None) -> int:
@@ -55,7 +57,7 @@ def _peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
-def measure(layout: str, preset: str, batch: int, seq_len: int, steps: int, device: torch.device,
+def measure(strategy: str, preset: str, batch: int, seq_len: int, steps: int, device: torch.device,
             overrides: dict | None = None) -> dict:
     """One rank's figures (call on every rank of an initialised process group)."""
     from moetrain.config import OptimConfig, ParallelConfig
@@ -66,8 +68,8 @@ def measure(layout: str, preset: str, batch: int, seq_len: int, steps: int, devi
     torch.manual_seed(0)
     model = build_lm(preset, max_seq_len=seq_len, **(overrides or {})).to(device)
     vocab = model.config.vocab_size
-    strategy = Distributed(ParallelConfig(nproc_per_node=dist.get_world_size(), strategy=layout))
-    optimizer = strategy.build_optimizer(model, OptimConfig(lr=1e-4))
+    processes = Distributed(ParallelConfig(nproc_per_node=dist.get_world_size(), strategy=strategy))
+    optimizer = processes.build_optimizer(model, OptimConfig(lr=1e-4))
     generator = torch.Generator().manual_seed(dist.get_rank())
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -79,8 +81,8 @@ def measure(layout: str, preset: str, batch: int, seq_len: int, steps: int, devi
         loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())
         loss = loss + sum(layer.aux_loss for layer in moe_layers(model))
         loss.backward()
-        strategy.reduce_gradients(model)
-        strategy.clip_grad_norm_(model, 1.0)
+        processes.reduce_gradients(model)
+        processes.clip_grad_norm_(model, 1.0)
         optimizer.step()
     figures = state_bytes(model, optimizer)
     figures["total"] = sum(figures.values())
@@ -91,49 +93,50 @@ def measure(layout: str, preset: str, batch: int, seq_len: int, steps: int, devi
     return figures
 
 
-def worker(rank: int, world_size: int, out_dir: str, layouts: list[str], preset: str, batch: int, seq_len: int,
+def worker(rank: int, world_size: int, out_dir: str, strategies: list[str], preset: str, batch: int, seq_len: int,
            steps: int, overrides: dict) -> None:
     device = torch.device("cuda", rank) if dist.get_backend() == "nccl" else torch.device("cpu")
     rows = {}
-    for layout in layouts:
+    for strategy in strategies:
         try:
-            figures = measure(layout, preset, batch, seq_len, steps, device, overrides)
-        except Exception as error:  # a layout this W cannot run: its row says why, the others still run
+            figures = measure(strategy, preset, batch, seq_len, steps, device, overrides)
+        except Exception as error:  # a strategy this W cannot run: its row says why, the others still run
             figures = {"error": f"{type(error).__name__}: {' '.join(str(error).split())[:120]}"}
         everyone = [None] * world_size
         dist.all_gather_object(everyone, figures)
-        rows[layout] = everyone
+        rows[strategy] = everyone
     if rank == 0:
         torch.save(rows, os.path.join(out_dir, "memory.pt"))
 
 
-def run(world_sizes: list[int], layouts: list[str], preset: str = "qwen3_moe_tiny", batch: int = 2,
+def run(world_sizes: list[int], strategies: list[str], preset: str = "qwen3_moe_tiny", batch: int = 2,
         seq_len: int = 32, steps: int = 2, overrides: dict | None = None, backend: str | None = None) -> dict:
-    """{(W, layout): largest figures over the ranks (or {"error": ...})}."""
+    """{(W, strategy): largest figures over the ranks (or {"error": ...})}."""
     from moetrain.parallel.launch import spawn
 
     table = {}
     for world in world_sizes:
         with tempfile.TemporaryDirectory() as out_dir:
-            spawn(worker, world, args=(out_dir, list(layouts), preset, batch, seq_len, steps, overrides or {}),
+            spawn(worker, world, args=(out_dir, list(strategies), preset, batch, seq_len, steps, overrides or {}),
                   backend=backend)
             rows = torch.load(os.path.join(out_dir, "memory.pt"), weights_only=False)
-        for layout, ranks in rows.items():
+        for strategy, ranks in rows.items():
             failed = next((figures for figures in ranks if "error" in figures), None)
-            table[(world, layout)] = failed or {key: max(figures[key] for figures in ranks) if key != "peak_kind"
+            table[(world, strategy)] = failed or {key: max(figures[key] for figures in ranks) if key != "peak_kind"
                                                 else ranks[0][key] for key in ranks[0]}
     return table
 
 
 def format_table(table: dict) -> str:
     mib = 2.0 ** 20
-    lines = ["| layout | W | params MiB/rank | grads MiB/rank | optimizer MiB/rank | total MiB/rank | peak MiB |",
+    lines = ["| strategy | W | params MiB/rank | grads MiB/rank | optimizer MiB/rank | total MiB/rank | peak MiB |",
              "|---|---:|---:|---:|---:|---:|---:|"]
-    for (world, layout), figures in sorted(table.items(), key=lambda item: (LAYOUTS.index(item[0][1]), item[0][0])):
+    order = sorted(table.items(), key=lambda item: (STRATEGIES.index(item[0][1]), item[0][0]))
+    for (world, strategy), figures in order:
         if "error" in figures:
-            lines.append(f"| {layout} | {world} | {figures['error']} | | | | |")
+            lines.append(f"| {strategy} | {world} | {figures['error']} | | | | |")
             continue
-        lines.append(f"| {layout} | {world} | {figures['params'] / mib:.2f} | {figures['grads'] / mib:.2f} | "
+        lines.append(f"| {strategy} | {world} | {figures['params'] / mib:.2f} | {figures['grads'] / mib:.2f} | "
                      f"{figures['optimizer'] / mib:.2f} | {figures['total'] / mib:.2f} | {figures['peak'] / mib:.1f} |")
     kinds = {figures["peak_kind"] for figures in table.values() if "peak_kind" in figures}
     return "\n".join(lines + [f"peak: {', '.join(sorted(kinds))}"])
@@ -142,7 +145,7 @@ def format_table(table: dict) -> str:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m moetrain.parallel.memory", description=__doc__.split("\n")[0])
     parser.add_argument("--world-sizes", type=int, nargs="+", default=[1, 2, 4])
-    parser.add_argument("--layouts", nargs="+", choices=LAYOUTS, default=list(LAYOUTS))
+    parser.add_argument("--strategies", nargs="+", choices=STRATEGIES, default=list(STRATEGIES))
     parser.add_argument("--preset", default="qwen3_moe_tiny", help="a model preset (moetrain.models.PRESETS)")
     parser.add_argument("--batch", type=int, default=2, help="sequences per rank per step")
     parser.add_argument("--seq-len", type=int, default=32)
@@ -158,7 +161,8 @@ def main(argv: list[str] | None = None) -> None:
 
     if args.preset not in PRESETS:
         parser.error(f"--preset must be one of {', '.join(sorted(PRESETS))}, got {args.preset}")
-    table = run(args.world_sizes, args.layouts, args.preset, args.batch, args.seq_len, args.steps, backend=args.backend)
+    table = run(args.world_sizes, args.strategies, args.preset, args.batch, args.seq_len, args.steps,
+                backend=args.backend)
     print(format_table(table))
     sys.stdout.flush()
 

@@ -11,7 +11,7 @@ single-process update on the mean of all ranks' losses (the DDP convention):
   shared parameters (attention, embeddings, routers, shared experts, and routed experts that
       are not sharded): gradients averaged over all ranks;
   sharded expert parameters: the expert-parallel all-to-all already brought every rank's
-      contribution to the rank holding the expert, and the strategy divided it by the rank count
+      contribution to the rank holding the expert, and ExpertParallel divided it by the rank count
       on the way (moetrain.parallel.expert scales the gradient as it enters the experts' backward,
       not in a pass over every expert weight gradient here), so gradients are only summed over
       the replicas of the same expert (none when experts >= ranks);
@@ -21,7 +21,7 @@ single-process update on the mean of all ranks' losses (the DDP convention):
   routers with an aux-loss-free bias (sigmoid gate) update it from the load summed over ranks,
       so every rank moves the bias the same way (calling update_router_biases() is not needed).
 
-Users never tag parameters: expert parameters are found through the MoE layers' strategies.
+Users never tag parameters: expert parameters are found through the MoE layers' ExpertParallel (layer.parallel).
 state_dict() names parameters by their model names, so checkpoints survive resharding.
 """
 

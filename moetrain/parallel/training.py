@@ -1,23 +1,23 @@
-"""The multi-process strategy for moetrain's Trainer (the counterpart of train.strategy.SingleProcess).
+"""The processes of a multi-process run, for moetrain's Trainer (the counterpart of train.processes.SingleProcess).
 
-    strategy = Distributed(ParallelConfig(nproc_per_node=4, strategy="expert"))  # after init_distributed
-    Trainer(model, data, ..., strategy=strategy).fit()
+    processes = Distributed(ParallelConfig(nproc_per_node=4, strategy="expert"))  # after init_distributed
+    Trainer(model, data, ..., processes=processes).fit()
 
-Four layouts (parallel.strategy):
+Four parallel strategies (ParallelConfig.strategy):
   data          every rank holds the whole model; DistributedOptimizer averages the gradients;
   expert        experts sharded by expert parallelism (adaptive degree and overlap of the config),
                 the rest replicated; DistributedOptimizer (ZeRO-1 optional);
   fsdp          every parameter sharded over all ranks by FSDP2 (moetrain/parallel/fsdp.py);
   fsdp_expert   experts placed by expert parallelism and sharded over their replicas, the rest by
                 FSDP2 over all ranks.
-Every layout clips by the global gradient norm (each expert counted once) and updates the sigmoid
+Every strategy clips by the global gradient norm (each expert counted once) and updates the sigmoid
 gates' bias from the load summed over ranks.
 
 Checkpoints: data and expert write one file per rank (moetrain/parallel/checkpoint.py); fsdp and
 fsdp_expert write a sharded DCP checkpoint (moetrain/parallel/sharded_checkpoint.py, optionally
-asynchronously). Either kind resumes in any layout and at any number of ranks, with no
+asynchronously). Either kind resumes under any strategy and at any number of ranks, with no
 conversion step: DCP reads each rank's part of the global tensors, and per-rank files of another
-world size or layout are merged and cut again in memory.
+world size or strategy are merged and cut again in memory.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from moetrain.config import ConfigError, OptimConfig, ParallelConfig
+from moetrain.config import OptimConfig, ParallelConfig, ParallelStrategy, SettingError
 from moetrain.parallel import checkpoint as shards
 from moetrain.parallel import sharded_checkpoint as sharded
 from moetrain.parallel.expert import parallelize
@@ -50,21 +50,21 @@ from moetrain.parallel.optimizer import DistributedOptimizer
 from moetrain.train import checkpoint
 from moetrain.train.optim import _decays, build_optimizer
 
-LAYOUTS = ("data", "expert", "fsdp", "fsdp_expert")
+STRATEGIES = tuple(strategy.value for strategy in ParallelStrategy)
 TRAINER_KEYS = ("step", "skipped_steps", "data", "config", "metrics")
 
 
 class Distributed:
     def __init__(self, cfg: ParallelConfig):
         if not dist.is_initialized():
-            raise RuntimeError("the Distributed strategy needs torch.distributed initialised (moetrain.parallel.launch)")
+            raise RuntimeError("Distributed needs torch.distributed initialised (moetrain.parallel.launch)")
         self.cfg = cfg
-        self.layout = getattr(cfg.strategy, "value", cfg.strategy)
-        if self.layout not in LAYOUTS:
-            raise ConfigError(f"parallel.strategy must be one of {'|'.join(LAYOUTS)}, "
-                              f"got {self.layout}")
-        self.fsdp = self.layout.startswith("fsdp")
-        self.expert_parallel = self.layout in ("expert", "fsdp_expert")
+        self.strategy = getattr(cfg.strategy, "value", cfg.strategy)  # a ParallelStrategy or its name
+        if self.strategy not in STRATEGIES:
+            raise SettingError(f"ParallelConfig.strategy must be one of {'|'.join(STRATEGIES)}, "
+                               f"got {self.strategy!r}")
+        self.fsdp = self.strategy.startswith("fsdp")
+        self.expert_parallel = self.strategy in ("expert", "fsdp_expert")
         self.world_size = dist.get_world_size()
         self.rank = dist.get_rank()
         self.is_main = self.rank == 0  # only the main process writes logs and TensorBoard
@@ -76,8 +76,9 @@ class Distributed:
 
     def enable_async_checkpoints(self) -> None:
         if not self.fsdp:
-            raise ConfigError("trainer.async_checkpoint writes sharded (DCP) checkpoints: use parallel.strategy=fsdp "
-                              f"or fsdp_expert (parallel.strategy={self.layout} writes one file per rank)")
+            raise SettingError("TrainerConfig.async_checkpoint writes sharded (DCP) checkpoints: use "
+                               "ParallelConfig.strategy='fsdp'|'fsdp_expert' (ParallelConfig.strategy="
+                               f"{self.strategy!r} writes one file per rank)")
         self.async_checkpoint = True
 
     def build_optimizer(self, model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer:
@@ -86,7 +87,7 @@ class Distributed:
             if self.fsdp:
                 if self.cfg.zero:
                     raise ValueError("zero applies to strategy=data|expert: FSDP shards the optimizer state already")
-                if self.layout == "fsdp_expert" and (self.cfg.adaptive_r, self.cfg.a2a_ffn_overlap_degree) != (1, 1):
+                if self.strategy == "fsdp_expert" and (self.cfg.adaptive_r, self.cfg.a2a_ffn_overlap_degree) != (1, 1):
                     raise ValueError("strategy=fsdp_expert runs adaptive_r=1 and a2a_ffn_overlap_degree=1 (FSDP shards "
                                      "the experts); the adaptive degree and the overlap need strategy=expert")
                 self.meshes = shard_model(model, self.expert_parallel, self.cfg.mixed_precision, self.cfg.cpu_offload)
@@ -95,7 +96,7 @@ class Distributed:
                 self.meshes = {layer.num_experts: expert_mesh(layer.num_experts, device_type_of(model))
                                for layer in _moe_layers(model)}
         except ValueError as error:  # experts vs ranks, the degree, a combination: a setup mistake
-            raise ConfigError(f"parallel: {error}") from None
+            raise SettingError(f"ParallelConfig: {error}") from None
         if self.fsdp:
             self.optimizer = build_optimizer(model, cfg)
             sync_router_biases_after_step(self.optimizer, model)
@@ -128,7 +129,7 @@ class Distributed:
 
     def _metadata(self) -> dict:
         meta = shards.parallel_metadata(self.model, self.world_size, self.rank)
-        return {**meta, "layout": self.layout}
+        return {**meta, "strategy": self.strategy}
 
     def save_checkpoint(self, state: dict, run_dir: Path, step: int, keep: int) -> Path:
         directory = Path(run_dir) / checkpoint.CHECKPOINT_DIR / f"step_{step:08d}"
@@ -159,7 +160,7 @@ class Distributed:
             self.saver.finish()
 
     def load_checkpoint(self, path: Path) -> dict:
-        """The state the trainer loads: model and optimizer are loaded here already (in any layout),
+        """The state the trainer loads: model and optimizer are loaded here already (under any strategy),
         so their entries are this rank's current state dicts."""
         path = Path(path)
         if not path.is_dir():
@@ -175,11 +176,11 @@ class Distributed:
             state = checkpoint.load(Path(shards.shard_path(str(path), self.rank, self.world_size)))
             if bool(state["moe_parallel"]["expert_parallel"]) == self.expert_parallel:
                 return state
-        # Another world size or layout: every rank's file, merged and cut for this layout in memory.
+        # Another world size or strategy: every rank's file, merged and cut for this strategy in memory.
         return self._load_full(shards.consolidate(shards.load_shards(str(path))))
 
     def _load_full(self, full: dict) -> dict:
-        """A world-size-1 checkpoint (named optimizer state) into this layout."""
+        """A world-size-1 checkpoint (named optimizer state) into this strategy's placement."""
         mine = shards.reshard(full, self.world_size, self.expert_parallel)[self.rank]
         if not self.fsdp:
             return mine

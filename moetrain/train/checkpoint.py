@@ -30,8 +30,6 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from moetrain.config import ConfigError
-
 CHECKPOINT_DIR = "checkpoints"
 CHECKSUM_SUFFIX = ".sha256"  # step_N.pt -> step_N.pt.sha256
 MANIFEST = "SHA256SUMS"  # in a multi-process step directory
@@ -41,8 +39,9 @@ _RANK_FILE = re.compile(r"^rank\d{5}-of-\d{5}\.pt$")
 _CHECKSUM_LINE = re.compile(r"^([0-9a-f]{64}) [ *](.+)$")
 
 
-class CheckpointError(ConfigError):
-    """A checkpoint is incomplete, corrupted or unreadable (the CLI reports it in one line, exit 2)."""
+class CheckpointError(ValueError):
+    """A checkpoint is incomplete, corrupted, unreadable, or not this model's (the CLI reports it in one
+    line, exit 2)."""
 
 
 def rng_state() -> dict:
@@ -103,7 +102,7 @@ def write(state: dict, path: Path) -> str:
         if isinstance(error, OSError):
             raise CheckpointError(
                 f"cannot write the checkpoint {path} ({error.strerror or error}): the checkpoints saved before it "
-                "are untouched; free space or make the folder writable, then continue with trainer.resume=auto"
+                "are untouched; free space or make the folder writable, then continue with TrainerConfig.resume='auto'"
             ) from None
         raise
     _sync_directory(path.parent)
@@ -201,8 +200,9 @@ def candidates(resume: str, run_dir: Path) -> list[Path]:
         return [path]
     found = checkpoints(path / CHECKPOINT_DIR) or checkpoints(path)
     if not found:
-        raise ConfigError(
-            f"trainer.resume={resume}: no checkpoint there; pass a run directory, a checkpoint file, or auto"
+        raise CheckpointError(
+            f"TrainerConfig.resume={resume!r}: no checkpoint there; pass a run directory, a checkpoint file, "
+            "or TrainerConfig.resume='auto'"
         )
     return found[::-1]
 

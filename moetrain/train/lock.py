@@ -15,16 +15,22 @@ import os
 import socket
 from pathlib import Path
 
-from moetrain.config import ConfigError
-
 log = logging.getLogger(__name__)
 
 LOCK_NAME = ".moetrain.lock"
 _held: dict[str, int] = {}  # real path of the run directory -> the open lock file (kept open = kept locked)
 
 
-class RunDirectoryBusy(ConfigError):
-    """Another live process holds the run directory's lock."""
+class RunDirectoryBusy(RuntimeError):
+    """Another live process (`holder`: its pid and host) holds the lock of `run_dir`."""
+
+    def __init__(self, run_dir: Path, holder: str):
+        super().__init__(run_dir, holder)  # the arguments, so that it pickles
+        self.run_dir, self.holder = run_dir, holder
+
+    def __str__(self) -> str:
+        return (f"{self.run_dir} is in use by another moetrain run (pid and host: {self.holder}): wait for it "
+                "to end, or give this run another directory")
 
 
 def lock_run_directory(run_dir: Path) -> None:
@@ -43,10 +49,7 @@ def lock_run_directory(run_dir: Path) -> None:
         holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "unknown"
         os.close(fd)
         if error.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-            raise RunDirectoryBusy(
-                f"{run_dir} is in use by another moetrain run (pid and host: {holder}): wait for it to end, "
-                "or give this run its own hydra.run.dir"
-            ) from None
+            raise RunDirectoryBusy(run_dir, holder) from None
         # Some network file systems have no locks: go on, but say that nothing guards the directory.
         log.warning("cannot lock %s (%s): a second run started there would not be refused", run_dir, error.strerror)
         return

@@ -1,11 +1,11 @@
-"""The training loop: one process on a CPU or one GPU (a strategy object is the multi-process seam).
+"""The training loop: one process on a CPU or one GPU (its processes object is the multi-process seam).
 
-Each optimizer step takes trainer.grad_accum_steps micro-batches. The loss is cross-entropy of the
-model's logits against integer targets (one class per image, or one next token per position;
-targets of -100 are ignored) plus every MoE layer's aux_loss, whose configured weights the layers
-already applied. The step's gradients are reduced (strategy), clipped, checked (a non-finite loss
-or gradient stops the run or skips the step, as configured), applied, and the routers' load
-biases are updated. Evaluation, logging and checkpoints run every N steps and at the end.
+Each optimizer step takes TrainerConfig.grad_accum_steps micro-batches. The loss is cross-entropy
+of the model's logits against integer targets (one class per image, or one next token per
+position; targets of -100 are ignored) plus every MoE layer's aux_loss, whose configured weights
+the layers already applied. The step's gradients are reduced over the processes, clipped, checked
+(a non-finite loss or gradient stops the run or skips the step, as configured), applied, and the
+routers' load biases are updated. Evaluation, logging and checkpoints run every N steps and at the end.
 
 Resuming restores what the config does not say (weights, optimizer moments, data position, random
 states, step); the settings come from the current config, and every one that differs from the
@@ -34,7 +34,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 from tqdm import tqdm
 
-from moetrain.config import ConfigError, Device, LoggerConfig, NonFinite, OptimConfig, Precision, TrainerConfig
+from moetrain.config import Device, LoggerConfig, NonFinite, OptimConfig, Precision, SettingError, TrainerConfig
 from moetrain.data import DataModule
 from moetrain.moe import MoELayer, update_router_biases
 from moetrain.moe.recompute import set_activation_checkpointing
@@ -42,7 +42,7 @@ from moetrain.quant.training import fp8_supported
 from moetrain.train import checkpoint
 from moetrain.train.metrics import TensorBoard, append_metrics, flatten, load_postfix, training_throughput
 from moetrain.train.optim import build_scheduler
-from moetrain.train.strategy import SingleProcess
+from moetrain.train.processes import SingleProcess
 from moetrain.train.stream import BatchStream
 
 log = logging.getLogger(__name__)
@@ -56,9 +56,17 @@ class NonFiniteLoss(RuntimeError):
 
 
 class Terminated(RuntimeError):
-    """SIGTERM stopped the run after a step whose checkpoint was then saved."""
+    """SIGTERM stopped the run after `step`, whose checkpoint was then saved in `run_dir`."""
 
     exit_code = 128 + signal.SIGTERM  # 143: what a shell reports for a process ended by SIGTERM
+
+    def __init__(self, step: int, run_dir: Path):
+        super().__init__(step, run_dir)  # the arguments, so that it pickles (a worker's error reaches the launcher)
+        self.step, self.run_dir = step, run_dir
+
+    def __str__(self) -> str:
+        return (f"stopped by SIGTERM at step {self.step} after saving its checkpoint; continue with "
+                f"TrainerConfig.resume='auto' in {self.run_dir}")
 
 
 # Keys whose change on resume is no change to the run.
@@ -76,7 +84,7 @@ def resolve_device(device: Device) -> torch.device:
     if device == Device.auto:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device == Device.cuda and not torch.cuda.is_available():
-        raise ConfigError("trainer.device=cuda but no CUDA GPU is visible: use trainer.device=auto or cpu")
+        raise SettingError("device='cuda' but no CUDA GPU is visible: use device='auto' or device='cpu'")
     return torch.device(device.value)
 
 
@@ -96,11 +104,11 @@ class Trainer:
         run_dir: Path,
         seed: int,
         run_config: dict,
-        strategy: SingleProcess | None = None,
+        processes: SingleProcess | None = None,
     ):
         self.cfg, self.logger_cfg, self.data = trainer, logger, data
         self.run_dir, self.run_config = Path(run_dir), run_config
-        self.strategy = strategy or SingleProcess()
+        self.processes = processes or SingleProcess()
         self.device = resolve_device(trainer.device)
         bf16 = (trainer.precision in (Precision.bf16, Precision.fp8)
                 or (trainer.precision == Precision.auto and self.device.type == "cuda"))
@@ -108,8 +116,8 @@ class Trainer:
             bf16 = self.device.type == "cuda"  # on the CPU the FP8 GEMMs are emulated in fp32
             supported, why = fp8_supported(self.device)
             if not supported:
-                raise ConfigError(f"trainer.precision=fp8 needs an sm90+ GPU or the CPU, not {why}; "
-                                  "use trainer.precision=bf16")
+                raise SettingError(f"TrainerConfig.precision='fp8' needs an sm90+ GPU or the CPU, not {why}; "
+                                   "use TrainerConfig.precision='bf16'")
             for layer in model.modules():
                 if isinstance(layer, MoELayer):
                     layer.precision = "fp8"
@@ -120,22 +128,22 @@ class Trainer:
         try:
             set_activation_checkpointing(self.model, trainer.activation_checkpointing.value)
         except ValueError as error:
-            raise ConfigError(f"trainer.activation_checkpointing: {error}") from None
+            raise SettingError(f"TrainerConfig.activation_checkpointing: {error}") from None
         # Training and evaluation call the compiled wrapper; checkpoints read self.model, so their
         # keys stay the plain module's (no "_orig_mod." prefix).
         if trainer.compile and trainer.activation_checkpointing.value == "full":
-            raise ConfigError("trainer.activation_checkpointing=full cannot be compiled (torch.compile does not "
-                              "trace the routing replay of recomputed MoE blocks): use "
-                              "trainer.activation_checkpointing=selective, or trainer.compile=false")
+            raise SettingError("TrainerConfig.activation_checkpointing='full' cannot be compiled (torch.compile does "
+                               "not trace the routing replay of recomputed MoE blocks): use "
+                               "TrainerConfig.activation_checkpointing='selective', or TrainerConfig.compile=False")
         self.forward = torch.compile(self.model) if trainer.compile else self.model
         self.moe_layers = {name: m for name, m in self.model.named_modules() if isinstance(m, MoELayer)}
-        self.optimizer = self.strategy.build_optimizer(self.model, optim)
+        self.optimizer = self.processes.build_optimizer(self.model, optim)
         if trainer.async_checkpoint:
-            self.strategy.enable_async_checkpoints()
+            self.processes.enable_async_checkpoints()
         self.scheduler = build_scheduler(self.optimizer, optim, trainer.max_steps)
         pin = self.device.type == "cuda"
         self.stream = BatchStream(data.train_set, data.batch_size, data.num_workers, seed, pin_memory=pin,
-                                  rank=self.strategy.rank, world_size=self.strategy.world_size)
+                                  rank=self.processes.rank, world_size=self.processes.world_size)
         self.eval_loader = DataLoader(
             data.eval_set,
             batch_size=data.eval_batch_size,
@@ -178,14 +186,14 @@ class Trainer:
         self.scheduler.set_step(self.step)
 
     def save_checkpoint(self) -> None:
-        path = self.strategy.save_checkpoint(self.state_dict(), self.run_dir, self.step, self.cfg.keep_checkpoints)
+        path = self.processes.save_checkpoint(self.state_dict(), self.run_dir, self.step, self.cfg.keep_checkpoints)
         log.info("step %d: checkpoint %s", self.step, path)
 
     def _ranks_where(self, flag: bool) -> list[int]:
         """The ranks on which `flag` holds (one all-reduce; the same answer on every rank)."""
-        flags = torch.zeros(self.strategy.world_size, device=self.device)
-        flags[self.strategy.rank] = float(flag)
-        return (self.strategy.mean_over_ranks(flags) > 0).nonzero().flatten().tolist()
+        flags = torch.zeros(self.processes.world_size, device=self.device)
+        flags[self.processes.rank] = float(flag)
+        return (self.processes.mean_over_ranks(flags) > 0).nonzero().flatten().tolist()
 
     def _load_resume_checkpoint(self) -> tuple[Path, dict] | None:
         """The newest intact checkpoint trainer.resume names, checked against this run's model config.
@@ -198,7 +206,7 @@ class Trainer:
             state, problem = None, None
             try:
                 checkpoint.check_complete(path)
-                state = self.strategy.load_checkpoint(path)  # checks this rank's file against its sha256
+                state = self.processes.load_checkpoint(path)  # checks this rank's file against its sha256
             except checkpoint.CheckpointError as error:
                 problem = str(error)
             failed = self._ranks_where(problem is not None)
@@ -206,20 +214,20 @@ class Trainer:
                 break
             problem = problem or f"the file of rank {', '.join(map(str, failed))} failed its check"
             if len(paths) == 1:  # the checkpoint the user named: nothing to fall back to
-                raise checkpoint.CheckpointError(f"trainer.resume={self.cfg.resume}: {problem}")
-            if self.strategy.is_main:
+                raise checkpoint.CheckpointError(f"TrainerConfig.resume={self.cfg.resume!r}: {problem}")
+            if self.processes.is_main:
                 log.warning("trainer.resume: skipping %s: %s", path.name, problem)
             problems.append(path.name)
         else:
             raise checkpoint.CheckpointError(
-                f"trainer.resume={self.cfg.resume}: no intact checkpoint in {paths[0].parent}: "
+                f"TrainerConfig.resume={self.cfg.resume!r}: no intact checkpoint in {paths[0].parent}: "
                 f"{', '.join(problems)} {'is' if len(problems) == 1 else 'are'} incomplete or corrupted (each reason "
-                "is logged above); resume from a copy you trust with trainer.resume=PATH, or start over in a new "
+                "is logged above); resume from a copy you trust with TrainerConfig.resume=PATH, or start over in a new "
                 "run directory"
             )
         if state["config"].get("model") != self.run_config.get("model"):
-            raise ConfigError(
-                f"trainer.resume: {path} holds a different model config than this run: "
+            raise checkpoint.CheckpointError(
+                f"TrainerConfig.resume: {path} holds a different model config than this run: "
                 "resume with the model settings of the run that wrote it"
             )
         return path, state
@@ -240,7 +248,7 @@ class Trainer:
         saved_lr = state["optimizer"]["param_groups"][0].get("lr")
         self.load_state_dict(state)
         log.info("resumed from %s at step %d", path, self.step)
-        if self.strategy.is_main:
+        if self.processes.is_main:
             self._log_changed_settings(state["config"])
             lr = self.optimizer.param_groups[0]["lr"]
             if saved_lr is not None and lr != saved_lr:
@@ -251,8 +259,8 @@ class Trainer:
         """Only the model weights of trainer.resume's checkpoint (for evaluation); returns its path."""
         found = self._load_resume_checkpoint()
         if found is None:
-            raise ConfigError(f"trainer.resume={self.cfg.resume}: no checkpoint in {self.run_dir}: "
-                              "pass trainer.resume=RUN_DIR (a run directory or checkpoint file)")
+            raise SettingError(f"TrainerConfig.resume={self.cfg.resume!r}: no checkpoint in {self.run_dir}: "
+                               "pass TrainerConfig.resume=RUN_DIR (a run directory or checkpoint file)")
         path, state = found
         self.model.load_state_dict(state["model"])
         self.step = state["step"]
@@ -267,7 +275,7 @@ class Trainer:
                 return written
         # Resumed into a new run directory (or metrics.json was lost): the checkpoint's final metrics.
         metrics = {**self.metrics, "step": self.step, "skipped_steps": self.skipped_steps}
-        if self.strategy.is_main:
+        if self.processes.is_main:
             path.write_text(json.dumps(metrics, indent=2) + "\n")
         return metrics
 
@@ -290,7 +298,7 @@ class Trainer:
         loss_sum, correct, count = 0.0, 0, 0
         # A bar of its own, so the run's display moves while it evaluates (it is removed when done).
         bar = tqdm(total=self._eval_batches(), desc="eval", unit="batch", leave=False, dynamic_ncols=True,
-                   disable=not (self.cfg.progress_bar and self.strategy.is_main))
+                   disable=not (self.cfg.progress_bar and self.processes.is_main))
         for index, (inputs, targets) in enumerate(self.eval_loader):
             if self.cfg.eval_batches and index == self.cfg.eval_batches:
                 break
@@ -330,14 +338,14 @@ class Trainer:
             for name, layer in self.moe_layers.items():
                 routing[name][0] += layer.stats.tokens_per_expert
                 routing[name][1] += layer.stats.kept_per_expert
-        self.strategy.reduce_gradients(self.model)
+        self.processes.reduce_gradients(self.model)
         max_norm = self.cfg.grad_clip or math.inf  # with inf, clip_grad_norm_ only measures the norm
-        grad_norm = self.strategy.clip_grad_norm_(self.model, max_norm)
+        grad_norm = self.processes.clip_grad_norm_(self.model, max_norm)
         # One host sync per step: the update must not happen when anything is non-finite. The losses
         # are averaged over ranks, so every rank logs and decides alike; a stop request (SIGTERM)
         # rides along, so that all ranks stop after the same step when any of them got one.
         stop = torch.tensor(float(self.stop_requested), device=self.device)
-        reduced = self.strategy.mean_over_ranks(torch.stack([loss_total / accum, aux_total / accum, stop]))
+        reduced = self.processes.mean_over_ranks(torch.stack([loss_total / accum, aux_total / accum, stop]))
         loss_value, aux_value, stop_value, norm_value = torch.cat([reduced, grad_norm.reshape(1).to(reduced)]).tolist()
         self.stopping = stop_value > 0
         if all(math.isfinite(v) for v in (loss_value, aux_value, norm_value)):
@@ -346,8 +354,8 @@ class Trainer:
         elif self.cfg.on_nonfinite == NonFinite.stop:
             raise NonFiniteLoss(
                 f"non-finite {'loss' if not math.isfinite(loss_value + aux_value) else 'gradient norm'} at step "
-                f"{self.step} (loss {loss_value}, aux loss {aux_value}, grad norm {norm_value}): lower optim.lr, "
-                "raise optim.warmup_steps, or set trainer.on_nonfinite=skip"
+                f"{self.step} (loss {loss_value}, aux loss {aux_value}, grad norm {norm_value}): lower OptimConfig.lr, "
+                "raise OptimConfig.warmup_steps, or set TrainerConfig.on_nonfinite='skip'"
             )
         else:
             self.skipped_steps += 1
@@ -374,35 +382,35 @@ class Trainer:
         if cfg.resume:
             self._resume()
             if self.step > cfg.max_steps:
-                raise ConfigError(
-                    f"trainer.resume: the checkpoint is at step {self.step}, past trainer.max_steps={cfg.max_steps}: "
-                    f"raise trainer.max_steps to train on, or evaluate it with mode=eval"
+                raise SettingError(
+                    f"TrainerConfig.resume: the checkpoint is at step {self.step}, past TrainerConfig.max_steps="
+                    f"{cfg.max_steps}: raise TrainerConfig.max_steps to train on, or only evaluate it"
                 )
             if self.step == cfg.max_steps:
                 log.info("the run is already complete at step %d (trainer.max_steps=%d): nothing to train, "
                          "metrics.json kept; raise trainer.max_steps to train on", self.step, cfg.max_steps)
                 return self._finished_metrics()
-        board = TensorBoard(self.run_dir) if self.logger_cfg.tensorboard and self.strategy.is_main else None
+        board = TensorBoard(self.run_dir) if self.logger_cfg.tensorboard and self.processes.is_main else None
         bar = tqdm(
             total=cfg.max_steps,
             initial=self.step,
             desc="train",
             unit="step",
             dynamic_ncols=True,
-            disable=not (cfg.progress_bar and self.strategy.is_main),
+            disable=not (cfg.progress_bar and self.processes.is_main),
         )
         try:
             self._train(board, bar)
         except Terminated:
-            self.strategy.finish_checkpoints()  # the checkpoint SIGTERM asked for must be complete
+            self.processes.finish_checkpoints()  # the checkpoint SIGTERM asked for must be complete
             raise
         finally:
             bar.close()
             if board is not None:
                 board.close()
-        self.strategy.finish_checkpoints()
+        self.processes.finish_checkpoints()
         metrics = {**self.metrics, "step": self.step, "skipped_steps": self.skipped_steps}
-        if self.strategy.is_main:
+        if self.processes.is_main:
             (self.run_dir / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
         return metrics
 
@@ -410,7 +418,7 @@ class Trainer:
         cfg = self.cfg
         if board is not None and self.step == 0:
             board.hparams(self.run_config, EVAL_TAGS)
-        samples_per_step = self.data.batch_size * cfg.grad_accum_steps * self.strategy.world_size
+        samples_per_step = self.data.batch_size * cfg.grad_accum_steps * self.processes.world_size
         metrics = self.metrics
         routing = defaultdict(lambda: [0, 0])  # layer -> [tokens per expert, kept per expert] since the last log
         window_losses, window_aux, window_seconds = [], [], 0.0
@@ -436,12 +444,12 @@ class Trainer:
                 seq_len = self.data.model_inputs.get("max_seq_len")
                 if self.data.task == "language_modeling" and seq_len:  # tokens/s, and MFU on a GPU of known peak
                     throughput = training_throughput(
-                        self.model, metrics["train/samples_per_sec"], seq_len, self.device, self.strategy.world_size
+                        self.model, metrics["train/samples_per_sec"], seq_len, self.device, self.processes.world_size
                     )
                     metrics.update({f"train/{key}": value for key, value in throughput.items()})
                 bar.set_postfix(loss=f"{metrics['train/loss']:.4f}", samples_s=f"{metrics['train/samples_per_sec']:.0f}",
                                 **load_postfix(routing))
-                if self.strategy.is_main:
+                if self.processes.is_main:
                     append_metrics(self.run_dir, self.step, metrics, "train/")
                 if board is not None:
                     board.scalars({k: v for k, v in metrics.items() if k.startswith("train/")}, self.step)
@@ -453,10 +461,7 @@ class Trainer:
             if self.stopping and not last:  # SIGTERM: the grace period is short, so no evaluation first
                 self.save_checkpoint()
                 log.info("SIGTERM: stopped after step %d, whose checkpoint is saved", self.step)
-                raise Terminated(
-                    f"stopped by SIGTERM at step {self.step} after saving its checkpoint; continue with the same "
-                    f"command plus hydra.run.dir={self.run_dir} trainer.resume=auto"
-                )
+                raise Terminated(self.step, self.run_dir)
             if (cfg.eval_every and self.step % cfg.eval_every == 0) or last:
                 metrics.update(self.evaluate())
                 bar.unpause()  # the evaluation's time is not training time: keep it out of the bar's rate and ETA
@@ -465,7 +470,7 @@ class Trainer:
                 )
                 if board is not None:
                     board.scalars({k: v for k, v in metrics.items() if k.startswith("eval/")}, self.step)
-                if self.strategy.is_main:
+                if self.processes.is_main:
                     append_metrics(self.run_dir, self.step, metrics, "eval/")
             if (cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0) or last:
                 self.save_checkpoint()

@@ -1,8 +1,9 @@
-"""Where the trainer meets the parallel strategy.
+"""The processes the trainer runs on: the seam between the training loop and parallelism.
 
-The trainer asks its strategy for the optimizer and hands it the gradients after backward; this
-one-process strategy builds the plain optimizer and has no gradients to reduce. A multi-process
-strategy (moetrain.parallel.training.Distributed) provides the same attributes and methods: it
+The trainer asks its processes object for the optimizer and hands it the gradients after
+backward; SingleProcess builds the plain optimizer and has no gradients to reduce. Its
+multi-process counterpart (moetrain.parallel.training.Distributed, which lays the model out by a
+parallel strategy: data, expert, fsdp or fsdp_expert) provides the same attributes and methods: it
 averages dense gradients over ranks, leaves expert gradients to their owners, builds an MoE-aware
 optimizer, clips by the norm over all ranks, and writes one checkpoint file per rank.
 """
@@ -14,7 +15,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from moetrain.config import ConfigError, OptimConfig
+from moetrain.config import OptimConfig, SettingError
 from moetrain.train import checkpoint
 from moetrain.train.optim import build_optimizer
 
@@ -38,8 +39,9 @@ class SingleProcess:
         return values
 
     def enable_async_checkpoints(self) -> None:
-        raise ConfigError("trainer.async_checkpoint writes sharded checkpoints of several ranks: use "
-                          "parallel.strategy=fsdp|fsdp_expert with parallel.nproc_per_node > 1, or drop it")
+        raise SettingError("TrainerConfig.async_checkpoint writes sharded checkpoints of several ranks: use "
+                           "ParallelConfig.strategy='fsdp'|'fsdp_expert' with ParallelConfig.nproc_per_node > 1, "
+                           "or drop it")
 
     def save_checkpoint(self, state: dict, run_dir: Path, step: int, keep: int) -> Path:
         return checkpoint.save(state, run_dir, step, keep)
