@@ -179,6 +179,9 @@ CASES = {
     "model that cannot be built, 2 workers": Case(
         lambda t: [*QUICK, "model.dim=17", "parallel=data", "parallel.nproc_per_node=2"],
         ["model (moetrain.models.VisionMoE): dim (17) must be divisible by num_heads"]),
+    "full recomputation compiled": Case(lambda t: [*QUICK, "trainer.compile=true", "trainer.activation_checkpointing=full"],
+                                        ["trainer.activation_checkpointing=full cannot be compiled",
+                                         "trainer.compile=false"]),
     "name of 300 characters": Case(lambda t: [*QUICK, "name=" + "n" * 300],
                                    ["name=", "(300 characters)", "at most 100 letters, digits"]),
     "name with a path": Case(lambda t: [*QUICK, "name=a/b/../../../../tmp/x"],
