@@ -122,12 +122,12 @@ def test_bad_folders_are_one_line_errors(tmp_path):
     write_class_folders(tmp_path / "broken", per_class=2, size=4)
     (tmp_path / "broken" / "red" / "bad.png").write_bytes(b"not a png at all")
     write_class_folders(tmp_path / "single", per_class=1, size=4)
-    cases = [(dict(path=None), "data.path is not set"), (dict(path=str(tmp_path / "nowhere")), "is not a folder"),
-             (dict(path=str(tmp_path / "empty")), "find any class folder.*the layout is data.path/CLASS_NAME/IMAGE"),
+    cases = [(dict(path=None), "path=None: give the folder"), (dict(path=str(tmp_path / "nowhere")), "is not a folder"),
+             (dict(path=str(tmp_path / "empty")), "find any class folder.*the layout is FOLDER/CLASS_NAME/IMAGE"),
              (dict(path=str(tmp_path / "broken")), "bad.png is not a readable image"),
              (dict(path=str(tmp_path / "single")), "nothing can be held out"),
-             (dict(path=str(tmp_path / "single"), channels=2), "data.channels must be 3"),
-             (dict(path=str(tmp_path / "single"), crop_padding=-1), "data.crop_padding must be")]
+             (dict(path=str(tmp_path / "single"), channels=2), "channels=2: must be 3"),
+             (dict(path=str(tmp_path / "single"), crop_padding=-1), "crop_padding=-1: must be")]
     for arguments, expected in cases:
         with pytest.raises(ValueError, match=expected) as error:
             image_folder(**arguments)

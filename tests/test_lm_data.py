@@ -63,14 +63,14 @@ def test_token_files_are_read_as_they_are(tmp_path, suffix, dtype):
     inputs, targets = data.train_set[3]
     assert inputs.tolist() == tokens[96:128].tolist() and targets.tolist() == tokens[97:129].tolist()
     assert inputs.dtype == torch.int64
-    with pytest.raises(ValueError, match="data.vocab_size must be set"):
+    with pytest.raises(ValueError, match="vocab_size=None: token files"):
         text(str(path), seq_len=32)
-    with pytest.raises(ValueError, match=r"token id \d+ .* >= data.vocab_size=100"):
+    with pytest.raises(ValueError, match=r"token id \d+ .* >= vocab_size=100"):
         text(str(path), seq_len=32, vocab_size=100)
 
 
 def test_bad_corpora_are_explained(tmp_path):
-    with pytest.raises(ValueError, match="data.path is not set"):
+    with pytest.raises(ValueError, match="path=None: give the corpus"):
         text(None)
     with pytest.raises(FileNotFoundError, match="does not exist"):
         text(str(tmp_path / "missing"))
@@ -78,7 +78,7 @@ def test_bad_corpora_are_explained(tmp_path):
     with pytest.raises(ValueError, match="too few for one training and one validation sequence"):
         text(str(tmp_path / "short.txt"), seq_len=64)
     (tmp_path / "bad.jsonl").write_text('{"content": "x"}\n')
-    with pytest.raises(ValueError, match=r"bad.jsonl:1: expected a JSON object with a string under 'text'"):
+    with pytest.raises(ValueError, match=r"bad.jsonl:1: expected a JSON object with a string under text_key='text'"):
         text(str(tmp_path / "bad.jsonl"))
     mixed = tmp_path / "mixed"
     mixed.mkdir()
@@ -148,7 +148,7 @@ def test_token_ids_outside_the_vocabulary_name_the_file_and_position(tmp_path, s
     position = int(rng.integers(0, 500))
     write = (lambda path, ids: np.save(path, ids)) if suffix == ".npy" else (lambda path, ids: ids.tofile(path))
     write(folder / f"a{suffix}", good)
-    for value, message in ((-int(rng.integers(1, 50)), "is negative"), (100 + int(rng.integers(0, 50)), ">= data.vocab_size=100")):
+    for value, message in ((-int(rng.integers(1, 50)), "is negative"), (100 + int(rng.integers(0, 50)), ">= vocab_size=100")):
         bad_ids = bad.copy()
         bad_ids[position] = value
         write(folder / f"b{suffix}", bad_ids)

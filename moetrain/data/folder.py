@@ -49,12 +49,12 @@ def _scan(root: str, key: str):
     from torchvision import datasets  # seconds to import: only when an image data set is built
 
     if not os.path.isdir(root):
-        raise ValueError(f"{key}={root} is not a folder: give a folder with one subfolder of images per class")
+        raise ValueError(f"{key}={root!r} is not a folder: give a folder with one subfolder of images per class")
     try:
         folder = datasets.ImageFolder(root)
     except FileNotFoundError as error:  # no class subfolder, or a class without any image file
         problem = " ".join(str(error).split()).rstrip(".")
-        raise ValueError(f"{key}={root}: {problem}; the layout is {key}/CLASS_NAME/IMAGE (.png, .jpg, ...)") from None
+        raise ValueError(f"{key}={root!r}: {problem}; the layout is FOLDER/CLASS_NAME/IMAGE (.png, .jpg, ...)") from None
     return folder.classes, folder.samples
 
 
@@ -128,32 +128,32 @@ def image_folder(
 ) -> DataModule:
     """Images in class subfolders of `path` (see the module doc) as a classification DataModule."""
     if path is None:
-        raise ValueError("data.path is not set: give the folder of class subfolders, data=folder data.path=FOLDER")
+        raise ValueError("path=None: give the folder of class subfolders (path=FOLDER)")
     if isinstance(image_size, bool) or not isinstance(image_size, int) or image_size < 1:
-        raise ValueError(f"data.image_size must be an integer >= 1, got {image_size!r}")
+        raise ValueError(f"image_size={image_size!r}: must be an integer >= 1")
     if channels not in (1, 3):
-        raise ValueError(f"data.channels must be 3 (RGB) or 1 (grey), got {channels!r}")
+        raise ValueError(f"channels={channels!r}: must be 3 (RGB) or 1 (grey)")
     if isinstance(crop_padding, bool) or not isinstance(crop_padding, int) or crop_padding < 0:
-        raise ValueError(f"data.crop_padding must be an integer >= 0 (0 = no random crop), got {crop_padding!r}")
+        raise ValueError(f"crop_padding={crop_padding!r}: must be an integer >= 0 (0 = no random crop)")
     if eval_path is None and not 0 < eval_fraction < 1:
-        raise ValueError(f"data.eval_fraction must be in (0, 1) when data.eval_path is unset, got {eval_fraction}")
+        raise ValueError(f"eval_fraction={eval_fraction}: must be in (0, 1) when eval_path=None")
     root = os.path.abspath(os.path.expanduser(path))
-    classes, samples = _scan(root, "data.path")
+    classes, samples = _scan(root, "path")
     images, labels, paths = _decode_all(samples, image_size, channels, list(range(len(classes))))
     if eval_path is None:
         train_index, eval_index = _held_out(labels, eval_fraction, seed)
         if len(eval_index) == 0:
-            raise ValueError(f"data.path={root} has no class with two images or more, so nothing can be held out for "
-                             "evaluation: add images, or give data.eval_path")
+            raise ValueError(f"path={root!r} has no class with two images or more, so nothing can be held out for "
+                             "evaluation: add images, or give eval_path=FOLDER")
         eval_images, eval_labels = images[eval_index], labels[eval_index]
         eval_paths = [paths[i] for i in eval_index]
         images, labels, paths = images[train_index], labels[train_index], [paths[i] for i in train_index]
     else:
         eval_root = os.path.abspath(os.path.expanduser(eval_path))
-        eval_classes, eval_samples = _scan(eval_root, "data.eval_path")
+        eval_classes, eval_samples = _scan(eval_root, "eval_path")
         unknown = sorted(set(eval_classes) - set(classes))
         if unknown:
-            raise ValueError(f"data.eval_path={eval_root} has classes the training folder lacks: {', '.join(unknown)} "
+            raise ValueError(f"eval_path={eval_root!r} has classes the training folder lacks: {', '.join(unknown)} "
                              f"(training classes: {', '.join(classes)}): the subfolder names must match")
         eval_images, eval_labels, eval_paths = _decode_all(eval_samples, image_size, channels,
                                                            [classes.index(name) for name in eval_classes])

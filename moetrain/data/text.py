@@ -67,12 +67,12 @@ def _files(path: Path) -> list[Path]:
     elif path.is_dir():
         files = sorted(p for p in path.iterdir() if p.suffix in SUFFIXES)
     else:
-        raise FileNotFoundError(f"data.path {str(path)!r} does not exist")
+        raise FileNotFoundError(f"path={str(path)!r} does not exist")
     if not files or any(p.suffix not in SUFFIXES for p in files):
-        raise ValueError(f"data.path {str(path)!r} holds no supported file; supported suffixes: {SUFFIXES}")
+        raise ValueError(f"path={str(path)!r} holds no supported file; supported suffixes: {SUFFIXES}")
     kinds = {"tokens" if p.suffix in (".npy", ".bin") else "text" for p in files}
     if len(kinds) > 1:
-        raise ValueError(f"data.path {str(path)!r} mixes text (.txt/.jsonl) and token (.npy/.bin) files; use one kind")
+        raise ValueError(f"path={str(path)!r} mixes text (.txt/.jsonl) and token (.npy/.bin) files; use one kind")
     return files
 
 
@@ -100,7 +100,7 @@ def _read_jsonl(file: Path, text_key: str, tokenizer: ByteTokenizer) -> list[int
             except json.JSONDecodeError as error:  # its line number counts within this one line
                 raise ValueError(f"{file}:{number}: invalid JSON at column {error.colno}: {error.msg}") from None
             if not isinstance(record, dict) or not isinstance(record.get(text_key), str):
-                raise ValueError(f"{file}:{number}: expected a JSON object with a string under {text_key!r} (data.text_key)")
+                raise ValueError(f"{file}:{number}: expected a JSON object with a string under text_key={text_key!r}")
             ids += tokenizer.encode(record[text_key]) + [tokenizer.eos_id]
     return ids
 
@@ -114,11 +114,11 @@ def _check_token_ids(tokens: np.ndarray, file: Path, vocab_size: int | None) -> 
     if smallest < 0:
         position = int(np.argmax(np.asarray(tokens) < 0))
         raise ValueError(f"{file}: token id {smallest} is negative (first at position {position}): token ids must be "
-                         f"in [0, data.vocab_size); was the file written with another data.token_dtype?")
+                         f"in [0, vocab_size); was the file written with another token_dtype?")
     if vocab_size is not None and largest >= vocab_size:
         position = int(np.argmax(np.asarray(tokens) >= vocab_size))
         raise ValueError(f"{file}: token id {largest} (first too large at position {position}) is >= "
-                         f"data.vocab_size={vocab_size}: set data.vocab_size to the tokenizer's vocabulary size "
+                         f"vocab_size={vocab_size}: set vocab_size to the tokenizer's vocabulary size "
                          f"(at least {largest + 1})")
 
 
@@ -127,7 +127,7 @@ def read_corpus(path: str | Path, text_key: str = "text", token_dtype: str = "ui
     """The token stream of a file or directory (see the module doc). Errors name the file (and the
     line, for text); token files are checked against vocab_size when it is given."""
     if token_dtype not in TOKEN_DTYPES:
-        raise ValueError(f"data.token_dtype must be one of {TOKEN_DTYPES}, got {token_dtype!r}")
+        raise ValueError(f"token_dtype={token_dtype!r}: must be one of {TOKEN_DTYPES}")
     tokenizer = ByteTokenizer()
     pieces: list[np.ndarray] = []
     for file in _files(Path(path)):
@@ -144,7 +144,7 @@ def read_corpus(path: str | Path, text_key: str = "text", token_dtype: str = "ui
             itemsize = np.dtype(token_dtype).itemsize
             if file.stat().st_size % itemsize:
                 raise ValueError(f"{file}: {file.stat().st_size} bytes is not a whole number of {token_dtype} token ids: "
-                                 "set data.token_dtype to the type the file was written with")
+                                 f"set token_dtype (now token_dtype={token_dtype!r}) to the type the file was written with")
             array = np.memmap(file, dtype=token_dtype, mode="r") if file.stat().st_size else np.zeros(0, token_dtype)
             _check_token_ids(array, file, vocab_size)
             pieces.append(array)
@@ -172,31 +172,31 @@ def text(
     """A packed language-modelling corpus (see the module doc). vocab_size: required for token
     files (.npy/.bin), the byte tokenizer's 257 for text."""
     if path is None:
-        raise ValueError("data.path is not set: give the corpus, data=text data.path=FILE_OR_DIRECTORY")
+        raise ValueError("path=None: give the corpus, a file or a directory (path=FILE_OR_DIRECTORY)")
     if seq_len < 1:
-        raise ValueError(f"data.seq_len must be >= 1, got {seq_len}")
+        raise ValueError(f"seq_len={seq_len}: must be >= 1")
     if _files(Path(path))[0].suffix in (".txt", ".jsonl"):
         vocab_size = vocab_size or ByteTokenizer.vocab_size
     elif vocab_size is None:
-        raise ValueError("data.vocab_size must be set for token files (.npy/.bin): the tokenizer that wrote them knows it")
+        raise ValueError("vocab_size=None: token files (.npy/.bin) need vocab_size, which the tokenizer that wrote them knows")
     tokens = read_corpus(path, text_key, token_dtype, vocab_size)
     if eval_path is not None:
         train_tokens, eval_tokens = tokens, read_corpus(eval_path, text_key, token_dtype, vocab_size)
     else:
         if not 0 < eval_fraction < 1:
-            raise ValueError(f"data.eval_fraction must be in (0, 1) when data.eval_path is unset, got {eval_fraction}")
+            raise ValueError(f"eval_fraction={eval_fraction}: must be in (0, 1) when eval_path=None")
         split = max(len(tokens) - max(int(len(tokens) * eval_fraction), seq_len + 1), 0)
         train_tokens, eval_tokens = tokens[:split], tokens[split:]
     train_set, eval_set = PackedSequences(train_tokens, seq_len), PackedSequences(eval_tokens, seq_len)
     if len(train_set) == 0 or len(eval_set) == 0:
         raise ValueError(
-            f"data.path {path!r} has {len(tokens)} tokens: too few for one training and one validation sequence "
-            f"of data.seq_len={seq_len}; lower seq_len or add text"
+            f"path={str(path)!r} has {len(tokens)} tokens: too few for one training and one validation sequence "
+            f"of seq_len={seq_len}; lower seq_len or add text"
         )
     largest = int(max(train_tokens.max(), eval_tokens.max()))  # text: bytes and end-of-text, up to 256
     if largest >= vocab_size:
-        raise ValueError(f"token id {largest} in data.path {path!r} is >= data.vocab_size={vocab_size}: the byte "
-                         f"tokenizer needs data.vocab_size >= {ByteTokenizer.vocab_size} (or leave it unset)")
+        raise ValueError(f"token id {largest} in path={str(path)!r} is >= vocab_size={vocab_size}: the byte "
+                         f"tokenizer needs vocab_size >= {ByteTokenizer.vocab_size} (or vocab_size=None)")
     return DataModule(
         task="language_modeling",
         train_set=train_set,
