@@ -1,6 +1,6 @@
 """Expert parallelism with Tutel's adaptive degree r, plugged into MoELayer.run_experts.
 
-    strategies = parallelize(model, adaptive_r=1)      # every rank, after init_distributed()
+    expert_parallels = parallelize(model, adaptive_r=1)  # every rank, after init_distributed()
     y = layer(x)                                       # r=1: tokens travel by all-to-all
     y = layer(x, adaptive_r=0)                         # this call data parallel, same weights
     y = layer(x, a2a_ffn_overlap_degree=4)             # all-to-all overlapped with experts in 4 chunks
@@ -351,14 +351,14 @@ def _keep_local_experts(experts: Experts, layout: ExpertLayout) -> None:
 def parallelize(model: nn.Module, adaptive_r: int = 1, a2a_ffn_overlap_degree: int = 1, group=None,
                 exchange: str = "all_to_all", timeout_s: float | None = None) -> list[ExpertParallel]:
     """Shard the experts of every MoELayer in `model` over the ranks of `group` (in place; call on
-    every rank with the same full model before building the optimizer). Returns the strategies.
-    exchange: how padded rows travel (see the top of this file); a strategy's `exchange` attribute
-    may be changed between calls. timeout_s: how long the process groups made here wait in a
+    every rank with the same full model before building the optimizer). Returns the layers'
+    ExpertParallel objects. exchange: how padded rows travel (see the top of this file); an
+    ExpertParallel's `exchange` attribute may be changed between calls. timeout_s: how long the process groups made here wait in a
     collective (parallel.timeout_s; None: as long as `group`'s)."""
     from moetrain.moe import moe_layers
 
     layouts: dict[int, ExpertLayout] = {}
-    strategies = []
+    expert_parallels = []
     cpu_group = host_group(group, timeout_s)
     for layer in moe_layers(model):
         if layer.parallel is not None:
@@ -366,13 +366,13 @@ def parallelize(model: nn.Module, adaptive_r: int = 1, a2a_ffn_overlap_degree: i
         if layer.num_experts not in layouts:
             layouts[layer.num_experts] = ExpertLayout(layer.num_experts, group, timeout_s)
         layout = layouts[layer.num_experts]
-        strategy = ExpertParallel(layout, cpu_group, adaptive_r, a2a_ffn_overlap_degree, exchange)  # checks first
+        expert_parallel = ExpertParallel(layout, cpu_group, adaptive_r, a2a_ffn_overlap_degree, exchange)  # checks first
         _keep_local_experts(layer.experts, layout)
-        layer.parallel = strategy
-        strategies.append(strategy)
-    if not strategies:
+        layer.parallel = expert_parallel
+        expert_parallels.append(expert_parallel)
+    if not expert_parallels:
         raise ValueError("parallelize: the model has no MoELayer")
-    return strategies
+    return expert_parallels
 
 
 def set_adaptive_r(model: nn.Module, adaptive_r: int) -> None:
