@@ -664,6 +664,7 @@ def _worker_logging(run_dir: Path, is_main: bool) -> None:
         handler.setFormatter(logging.Formatter("[%(asctime)s][%(name)s][%(levelname)s] - %(message)s"))
         root.addHandler(handler)
     root.setLevel(logging.INFO if is_main else logging.WARNING)
+    _log_in_config_keys()
 
 
 def _spawned_worker(rank: int, world_size: int, cfg: DictConfig, run_dir: Path) -> None:
@@ -735,8 +736,25 @@ def _launch(cfg: DictConfig, run_dir: Path) -> None:
         dist.destroy_process_group()
 
 
+class _InConfigKeys(logging.Filter):
+    """On the command's log handlers: the library's log lines, which name settings as Python does
+    (TrainerConfig.max_steps=5), in the command line's terms (trainer.max_steps=5)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.name.startswith("moetrain.") and record.name != __name__:
+            record.msg, record.args = in_config_keys(record.getMessage()), None
+        return True
+
+
+def _log_in_config_keys() -> None:
+    for handler in logging.getLogger().handlers:
+        if not any(isinstance(f, _InConfigKeys) for f in handler.filters):
+            handler.addFilter(_InConfigKeys())
+
+
 def _task(cfg: DictConfig) -> None:
     run_dir = Path(HydraConfig.get().runtime.output_dir)
+    _log_in_config_keys()
     try:
         try:
             _launch(cfg, run_dir)

@@ -216,7 +216,7 @@ class Trainer:
             if len(paths) == 1:  # the checkpoint the user named: nothing to fall back to
                 raise checkpoint.CheckpointError(f"TrainerConfig.resume={self.cfg.resume!r}: {problem}")
             if self.processes.is_main:
-                log.warning("trainer.resume: skipping %s: %s", path.name, problem)
+                log.warning("TrainerConfig.resume: skipping %s: %s", path.name, problem)
             problems.append(path.name)
         else:
             raise checkpoint.CheckpointError(
@@ -242,7 +242,7 @@ class Trainer:
     def _resume(self) -> None:
         found = self._load_resume_checkpoint()
         if found is None:
-            log.info("trainer.resume=auto: no checkpoint in %s yet, starting from step 0", self.run_dir)
+            log.info("TrainerConfig.resume='auto': no checkpoint in %s yet, starting from step 0", self.run_dir)
             return
         path, state = found
         saved_lr = state["optimizer"]["param_groups"][0].get("lr")
@@ -252,8 +252,8 @@ class Trainer:
             self._log_changed_settings(state["config"])
             lr = self.optimizer.param_groups[0]["lr"]
             if saved_lr is not None and lr != saved_lr:
-                log.info("learning rate of step %d: %.6g (checkpoint) -> %.6g (now, from optim.* and "
-                         "trainer.max_steps=%d)", self.step + 1, saved_lr, lr, self.cfg.max_steps)
+                log.info("learning rate of step %d: %.6g (checkpoint) -> %.6g (now, from OptimConfig and "
+                         "TrainerConfig.max_steps=%d)", self.step + 1, saved_lr, lr, self.cfg.max_steps)
 
     def load_model(self) -> Path:
         """Only the model weights of trainer.resume's checkpoint (for evaluation); returns its path."""
@@ -387,8 +387,8 @@ class Trainer:
                     f"{cfg.max_steps}: raise TrainerConfig.max_steps to train on, or only evaluate it"
                 )
             if self.step == cfg.max_steps:
-                log.info("the run is already complete at step %d (trainer.max_steps=%d): nothing to train, "
-                         "metrics.json kept; raise trainer.max_steps to train on", self.step, cfg.max_steps)
+                log.info("the run is already complete at step %d (TrainerConfig.max_steps=%d): nothing to train, "
+                         "metrics.json kept; raise TrainerConfig.max_steps to train on", self.step, cfg.max_steps)
                 return self._finished_metrics()
         board = TensorBoard(self.run_dir) if self.logger_cfg.tensorboard and self.processes.is_main else None
         bar = tqdm(
