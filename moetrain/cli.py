@@ -330,7 +330,7 @@ def checked(cfg: DictConfig) -> Config:
     try:
         layer_kwargs(dataclasses.asdict(config.gate))
     except ValueError as error:
-        raise ConfigError(str(error)) from None
+        raise ConfigError(in_config_keys(str(error))) from None
     for group in ("model", "data"):
         check_target(group, getattr(config, group))
     return config

@@ -41,7 +41,7 @@ import moetrain
 from moetrain import cli, ops
 from moetrain.config import ConfigError, Device, QuantConfig, SettingError, did_you_mean
 from moetrain.evaluate import evaluate_run
-from moetrain.export import ARCHITECTURES, EXPORTABLE, export_hf
+from moetrain.export import ARCHITECTURES, EXPORTABLE, ExportError, export_hf
 from moetrain.generate import check_settings, stream_text
 from moetrain.models.hf import CheckpointError as HFCheckpointError
 from moetrain.moe import MoELayer
@@ -313,7 +313,10 @@ def _end_text(drawn_seed: int | None) -> None:
 
 def run_export(args) -> None:
     run = _load(args)
-    model_type = export_hf(run, args.out_dir, model_type=args.format, allow_dropless=args.allow_dropless)
+    try:
+        model_type = export_hf(run, args.out_dir, model_type=args.format, allow_dropless=args.allow_dropless)
+    except ExportError as error:  # the library's argument is this command's flag
+        raise ExportError(str(error).replace("allow_dropless=True", "--allow-dropless")) from None
     files = sorted(path.name for path in args.out_dir.iterdir())
     print(f"{args.out_dir}: {model_type} checkpoint of {args.run_dir} step {run.step} ({', '.join(files)})")
 

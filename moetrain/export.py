@@ -65,9 +65,10 @@ def export_hf(run: Run | nn.Module, directory: str | Path, model_type: str | Non
     capacity_factor = model.config.moe_kwargs.get("capacity_factor", 1.0)
     if capacity_factor > 0 and not allow_dropless:
         raise ExportError(
-            f"the run routes with gate.capacity_factor={capacity_factor:g} (tokens over an expert's capacity are "
-            f"dropped) but Hugging Face's {model_type} routes every token, so its logits would differ where tokens "
-            "are dropped: train with gate.capacity_factor=0, or accept dropless routing (allow_dropless=True)")
+            f"the run routes with GateConfig.capacity_factor={capacity_factor:g} (tokens over an expert's capacity "
+            f"are dropped) but Hugging Face's {model_type} routes every token, so its logits would differ where "
+            "tokens are dropped: train with GateConfig.capacity_factor=0, or accept dropless routing "
+            "(allow_dropless=True)")
     directory = Path(directory)
     if directory.is_file() or (directory.is_dir() and any(directory.iterdir())):
         raise ExportError(f"{directory} exists and is not an empty folder: export into a new or empty folder")

@@ -117,7 +117,7 @@ def build_data(data_config: dict, seed: int = 0) -> DataModule:
     if not isinstance(data_config, dict) or "_target_" not in data_config:
         raise RunError(f"the data config {data_config!r} has no _target_: give a dict such as "
                        "{'_target_': 'moetrain.data.text.text', 'path': 'corpus/'}")
-    builder = locate(data_config["_target_"], "data._target_")
+    builder = locate(data_config["_target_"], "the data config's _target_")
     arguments = {key: value for key, value in data_config.items() if not (key.startswith("_") and key.endswith("_"))}
     with _global_rng_kept():
         random.seed(seed)
@@ -128,7 +128,8 @@ def build_data(data_config: dict, seed: int = 0) -> DataModule:
         except (ValueError, OSError, TypeError) as error:
             raise RunError(f"data ({data_config['_target_']}): {_one_line(error)}", data_config["_target_"]) from None
     if not isinstance(data, DataModule):
-        raise RunError(f"data._target_={data_config['_target_']} returned {type(data).__name__}, not a DataModule")
+        raise RunError(f"the data config's _target_={data_config['_target_']!r} returned {type(data).__name__}, "
+                       "not a DataModule")
     return data
 
 
@@ -137,12 +138,12 @@ def build_model(config: dict, model_inputs: dict) -> nn.Module:
     not set itself, and every MoE layer's gate settings (the same construction as the command)."""
     model_config = config.get("model") or {}
     if "_target_" not in model_config:
-        raise RunError("the run's config has no model._target_: this is not a moetrain run's config")
+        raise RunError("the run's config has no _target_ for its model: this is not a moetrain run's config")
     try:
         moe_kwargs = layer_kwargs(config.get("gate") or {})  # a setting the run did not save: its default
     except ValueError as error:
         raise RunError(f"the run's {_one_line(error)}") from None
-    builder = locate(model_config["_target_"], "model._target_")
+    builder = locate(model_config["_target_"], "the model config's _target_")
     arguments = {key: value for key, value in model_config.items() if not (key.startswith("_") and key.endswith("_"))}
     inputs = {key: value for key, value in model_inputs.items() if key not in arguments}
     with _global_rng_kept():

@@ -163,7 +163,7 @@ def test_saved_gate_settings_load_field_by_field(runs):
     tokens_BT = torch.randint(0, 256, (2, 16))
     with torch.no_grad():
         assert torch.equal(model.eval()(tokens_BT), run.model(tokens_BT))
-    with pytest.raises(RunError, match=r"gate.type='nope' is not one of top\|cosine\|sigmoid"):
+    with pytest.raises(RunError, match=r"GateConfig.type='nope' is not one of top\|cosine\|sigmoid"):
         build_model({**config, "gate": {**config["gate"], "type": "nope"}}, run.model_inputs)
     with pytest.raises(RunError, match="brand_new"):
         build_model({**config, "gate": {**config["gate"], "brand_new": 1}}, run.model_inputs)
@@ -309,9 +309,12 @@ def test_export_refuses_what_hugging_face_would_compute_otherwise(runs, tmp_path
     assert "\n" not in str(error.value)
     capped = build_lm("qwen3_moe_tiny", moe_kwargs={"gate": "top", "top_k": 2, "capacity_factor": 1.0,
                                                     "gate_kwargs": {"normalize": True}})
-    with pytest.raises(ExportError, match="capacity_factor=1"):
+    with pytest.raises(ExportError, match="capacity_factor=1") as refused:
         export_hf(capped, tmp_path / "capped")
     assert not (tmp_path / "capped").exists()
+    # the library names the gate setting as Python does; the command writes the config key
+    assert "GateConfig.capacity_factor=1 " in str(refused.value)
+    assert "gate.capacity_factor=1 " in cli.in_config_keys(str(refused.value))
     assert export_hf(capped, tmp_path / "capped", allow_dropless=True) == "qwen3_moe"
     with pytest.raises(ExportError, match="not an empty folder"):
         export_hf(capped, tmp_path / "capped", allow_dropless=True)

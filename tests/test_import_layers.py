@@ -76,9 +76,9 @@ def test_no_module_uses_hydras_internals():
 
 # The library raises plain errors in the Python API's terms; only the command line names config keys.
 CONFIG_ERROR_ALLOWED = COMMAND_LINE | {"moetrain.config"}
-# The groups whose settings the library receives as dataclasses (gate keys are still named by
-# moetrain.models.routing and moetrain.export, which read the flat gate node).
-CONFIG_GROUPS = ("trainer", "parallel", "optim", "logger", "hydra")
+# Every config group: the library names settings as the Python API does (TrainerConfig.max_steps,
+# GateConfig.type, a builder's path=...), and the command line rewrites them into these keys.
+CONFIG_GROUPS = ("trainer", "parallel", "optim", "logger", "hydra", "gate", "data", "model", "quant")
 CONFIG_KEY = re.compile(rf"(?<![\w.])({'|'.join(CONFIG_GROUPS)})\.[a-z_]+")
 
 

@@ -56,11 +56,11 @@ def gate_class(path: str) -> type[Gate]:
         cls = getattr(importlib.import_module(module_name), class_name)
     except (ImportError, AttributeError, ValueError) as error:
         raise ValueError(
-            f"gate._target_={path} cannot be imported ({error}): give the dotted path of a Gate subclass in an "
-            f"importable module (installed, or its folder on PYTHONPATH)"
+            f"GateConfig._target_={path!r} cannot be imported ({error}): give the dotted path of a Gate subclass "
+            f"in an importable module (installed, or its folder on PYTHONPATH)"
         ) from None
     if not (isinstance(cls, type) and issubclass(cls, Gate)):
-        raise ValueError(f"gate._target_={path} is not a moetrain.moe.Gate subclass (see docs/extending.md)")
+        raise ValueError(f"GateConfig._target_={path!r} is not a moetrain.moe.Gate subclass (see docs/extending.md)")
     return cls
 
 
@@ -77,7 +77,7 @@ def layer_kwargs(flat: Mapping) -> dict:
     flat = {key: _plain(value) for key, value in dict(flat).items()}
     unknown = sorted(set(flat) - set(GATE_CHOICE_KEYS) - set(LAYER_SETTINGS) - set(setting_owners()))
     if unknown:
-        raise ValueError(f"gate has unknown setting(s) {unknown}: its keys are "
+        raise ValueError(f"GateConfig has unknown setting(s) {unknown}: its keys are "
                          + ", ".join([*GATE_CHOICE_KEYS, *LAYER_SETTINGS, *setting_owners()]))
     defaults = GateConfig()
     layer = {key: flat[key] if key in flat else _plain(getattr(defaults, key)) for key in LAYER_SETTINGS}
@@ -87,16 +87,18 @@ def layer_kwargs(flat: Mapping) -> dict:
     if target is not None:  # your own gate replaces the model's: the built-in gates' settings do not apply
         return {"gate": gate_class(target), **layer, "gate_kwargs": constructor_kwargs}
     if constructor_kwargs:
-        raise ValueError("gate.kwargs are constructor arguments of your own gate: set gate._target_=your_module.YourGate "
-                         "as well, or use the built-in gates' keys (gate.normalize, ...)")
+        raise ValueError("GateConfig.kwargs are constructor arguments of your own gate: set "
+                         "GateConfig._target_='your_module.YourGate' as well, or use the built-in gates' settings "
+                         "(GateConfig.normalize, ...)")
     kind = flat.get("type", defaults.type)
     if kind not in GATES:
-        raise ValueError(f"gate.type={kind!r} is not one of {'|'.join(GATES)}")
+        raise ValueError(f"GateConfig.type={kind!r} is not one of {'|'.join(GATES)}")
     for key in own:
         if key not in gate_settings(kind):
             owners = [name for name in GATES if key in gate_settings(name)]
-            raise ValueError(f"gate.{key} applies to gate.type={'|'.join(owners)} only, not {kind}: switch gates "
-                             f"with gate={kind} (the {kind} gate with its own defaults), or remove gate.{key}")
+            raise ValueError(f"GateConfig.{key} applies to GateConfig.type={'|'.join(repr(o) for o in owners)} only, "
+                             f"not {kind}: remove GateConfig.{key}, or choose the {kind} gate with its own "
+                             f"defaults")
     settings = GATES[kind].Settings
     if settings is not None:
         try:
