@@ -258,6 +258,10 @@ def validate(cfg: Config, quant_formats: Sequence[str]) -> None:
         _require(fsdp or not getattr(parallel, key),
                  f"parallel.{key} applies to parallel.strategy=fsdp|fsdp_expert, not {parallel.strategy.value}")
     expert_placed = parallel.strategy in (ParallelStrategy.expert, ParallelStrategy.fsdp_expert)
+    for key in ("adaptive_r", "a2a_ffn_overlap_degree"):  # read by expert parallelism only: never ignored silently
+        _require(expert_placed or getattr(parallel, key) == 1,
+                 f"parallel.{key} applies to parallel.strategy=expert, not {parallel.strategy.value}: "
+                 f"remove parallel.{key} or set parallel.strategy=expert")
     if expert_placed and ranks > 1 and isinstance(num_experts, int):
         _require(
             num_experts % ranks == 0 if num_experts >= ranks else ranks % num_experts == 0,

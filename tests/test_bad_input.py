@@ -179,6 +179,8 @@ CASES = {
     "model that cannot be built, 2 workers": Case(
         lambda t: [*QUICK, "model.dim=17", "parallel=data", "parallel.nproc_per_node=2"],
         ["model (moetrain.models.VisionMoE): dim (17) must be divisible by num_heads"]),
+    "adaptive_r without expert parallelism": Case(lambda t: [*QUICK, "parallel=data", "parallel.adaptive_r=0"],
+                                                  ["parallel.adaptive_r applies to parallel.strategy=expert, not data"]),
     "full recomputation compiled": Case(lambda t: [*QUICK, "trainer.compile=true", "trainer.activation_checkpointing=full"],
                                         ["trainer.activation_checkpointing=full cannot be compiled",
                                          "trainer.compile=false"]),
