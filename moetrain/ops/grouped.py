@@ -85,7 +85,7 @@ def _choose(backend: str, x_RI: torch.Tensor, w_EIO: torch.Tensor, padded: bool)
     return backend
 
 
-def _offsets(counts_E: torch.Tensor | list[int], num_rows: int, device: torch.device) -> torch.Tensor:
+def group_ends(counts_E: torch.Tensor | list[int], num_rows: int, device: torch.device) -> torch.Tensor:
     """int32 end row of each expert; the last expert absorbs the padding rows (zeros in, unread out)
     so that every output row is written and no host sync is needed."""
     counts = torch.as_tensor(counts_E, device=device)
@@ -127,7 +127,7 @@ def expert_matmul(
     if capacity is not None:
         counts_E = [capacity] * num_experts  # every block is a group of `capacity` rows
     if chosen == "grouped_mm":
-        return torch._grouped_mm(x_RI, w_EIO, offs=_offsets(counts_E, rows, x_RI.device))
+        return torch._grouped_mm(x_RI, w_EIO, offs=group_ends(counts_E, rows, x_RI.device))
     counts = counts_E.tolist() if isinstance(counts_E, torch.Tensor) else list(counts_E)
     counts[-1] += rows - sum(counts)
     return torch.cat([x @ w for x, w in zip(torch.split(x_RI, counts), w_EIO)])

@@ -32,7 +32,9 @@ from __future__ import annotations
 
 import torch
 
-from moetrain.quant.formats import E4M3_MAX, e4m3_encode, finite_amax, fp8_scale, quantize_fp8_groups
+from moetrain.ops.grouped import expert_matmul, expert_of_rows, group_ends
+from moetrain.quant import kernels
+from moetrain.quant.formats import e4m3_encode, finite_amax, fp8_scale, quantize_fp8_groups
 
 try:
     import triton
@@ -75,8 +77,6 @@ def quantize_weight(w_EKN: torch.Tensor, over: int) -> tuple[torch.Tensor, torch
 def quantize_rows(x_RK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """E4M3 values [R, K] and one fp32 scale per row [R]."""
     if x_RK.is_cuda:
-        from moetrain.quant import kernels  # noqa: PLC0415 - the Triton kernels load with CUDA use
-
         q_RK, scale_R1 = kernels.quantize_fp8(x_RK.contiguous(), x_RK.size(1))
     else:
         q_RK, scale_R1 = quantize_fp8_groups(x_RK, max(1, x_RK.size(1)))
@@ -97,22 +97,18 @@ def quantize_columns(x_RC: torch.Tensor, counts_E: torch.Tensor, padded_rows: in
     if x_RC.is_cuda:
         return _quantize_columns_cuda(x_RC.contiguous(), counts_E.to(torch.int32), padded_rows)
     q_CP = torch.zeros(cols, padded_rows, dtype=torch.float8_e4m3fn)
-    scale_EC = torch.empty(num_experts, cols, dtype=torch.float32)
-    start = padded_start = 0
-    for e, count in enumerate(counts_E.tolist()):
-        if not count:
-            scale_EC[e] = 1.0
-            continue
-        x_cR = x_RC[start:start + count].float().t()
-        amax, finite = finite_amax(x_cR, 1)
-        scale_EC[e] = fp8_scale(amax, finite)
-        q_CP[:, padded_start:padded_start + count] = e4m3_encode(x_cR / scale_EC[e].unsqueeze(1))
-        start += count
-        padded_start += -(-count // ALIGN) * ALIGN
+    scale_EC = torch.ones(num_experts, cols, dtype=torch.float32)  # 1: an expert without rows
+    padded_starts = [0] + padded_ends(counts_E).tolist()[:-1]
+    for e, (x_cR, padded_start) in enumerate(zip(torch.split(x_RC.float().t(), counts_E.tolist(), dim=1),
+                                                  padded_starts)):
+        if x_cR.size(1):
+            scale_EC[e] = fp8_scale(*finite_amax(x_cR, 1))
+            q_CP[:, padded_start:padded_start + x_cR.size(1)] = e4m3_encode(x_cR / scale_EC[e].unsqueeze(1))
     return q_CP, scale_EC
 
 
 if triton is not None:
+    from moetrain.quant.kernels import _E4M3_MAX
 
     @triton.jit
     def _row_experts(expert_ptr, rows, row_ok, rows_per_matrix, PACKED: tl.constexpr):
@@ -154,7 +150,7 @@ if triton is not None:
         x = tl.load(x_ptr + rows.to(tl.int64)[:, None] * C + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         expert = _row_experts(expert_ptr, rows, row_ok, rows_per_matrix, PACKED)
         amax = tl.load(amax_ptr + expert[:, None] * C + cols[None, :], mask=mask, other=0.0)
-        scale = tl.where(amax > 0, tl.math.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32)), 1.0)
+        scale = tl.where(amax > 0, tl.math.div_rn(amax, tl.full(amax.shape, _E4M3_MAX, tl.float32)), 1.0)
         scale = tl.where(amax < float("inf"), scale, float("nan"))
         if PACKED:
             start = tl.load(ends_ptr + expert - 1, mask=row_ok & (expert > 0), other=0)
@@ -163,7 +159,7 @@ if triton is not None:
         else:
             start = expert * rows_per_matrix
             offsets = expert.to(tl.int64)[:, None] * stride_qe + cols[None, :] * stride_qc + (rows - start)[:, None]
-        scaled = tl.clamp(tl.math.div_rn(x, scale), -448.0, 448.0, propagate_nan=tl.PropagateNan.ALL)
+        scaled = tl.clamp(tl.math.div_rn(x, scale), -_E4M3_MAX, _E4M3_MAX, propagate_nan=tl.PropagateNan.ALL)
         tl.store(q_ptr + offsets, scaled.to(tl.float8e4nv).to(tl.uint8, bitcast=True), mask=mask)
         first_row_of_expert = mask & (rows == start)[:, None]
         tl.store(scale_ptr + expert[:, None] * C + cols[None, :], scale, mask=first_row_of_expert)
@@ -183,8 +179,7 @@ def _quantize_transposed(x_RC: torch.Tensor, num_experts: int, counts_E: torch.T
     if packed:
         ends_E = torch.cumsum(counts_E, 0, dtype=torch.int32)
         padded_ends_E = padded_ends(counts_E)
-        expert_R = torch.searchsorted(ends_E, torch.arange(rows, device=x_RC.device, dtype=torch.int32), right=True,
-                                      out_int32=True)
+        expert_R = expert_of_rows(counts_E, rows)
     else:
         ends_E = padded_ends_E = expert_R = amax_EC  # unread
     rows_per_matrix = 1 if packed else rows // num_experts
@@ -219,8 +214,6 @@ def _(x_RC, counts_E, padded_rows):
 def _quantize_weight_cuda(w_EKN: torch.Tensor, over: int) -> tuple[torch.Tensor, torch.Tensor]:
     num_experts, k, n = w_EKN.shape
     if over == 2:  # per row over N: each row of the stacked [E * K, N] is one scaling group
-        from moetrain.quant import kernels  # noqa: PLC0415
-
         q, scale = kernels.quantize_fp8(w_EKN.view(num_experts * k, n), n)
         return q.view(num_experts, k, n), scale.view(num_experts, k)
     q_ENK = torch.empty(num_experts, n, k, dtype=torch.uint8, device=w_EKN.device)
@@ -241,25 +234,16 @@ def _(w_EKN, over):
 # ---------------------------------------------------------------- GEMMs
 
 
-def _ends(counts_E: torch.Tensor, num_rows: int) -> torch.Tensor:
-    ends = torch.cumsum(counts_E, 0, dtype=torch.int32)
-    ends[-1] = num_rows
-    return ends
-
-
 def rows_matmul(xq_RK, x_scale_R, wq_ENK, w_scale_EN, counts_E) -> torch.Tensor:
     """y[r] = (xq[r] * x_scale[r]) @ (wq[e] * w_scale[e, :, None]).T for each row's expert e -> bf16 [R, N]."""
     if xq_RK.size(0) == 0:
         return torch.zeros(0, wq_ENK.size(1), dtype=torch.bfloat16, device=xq_RK.device)
     if xq_RK.is_cuda:
         return torch._scaled_grouped_mm(xq_RK, wq_ENK.transpose(1, 2), x_scale_R, w_scale_EN,
-                                        offs=_ends(counts_E, xq_RK.size(0)), out_dtype=torch.bfloat16)
+                                        offs=group_ends(counts_E, xq_RK.size(0), xq_RK.device), out_dtype=torch.bfloat16)
     x_RK = xq_RK.float() * x_scale_R.unsqueeze(1)
-    w_ENK = wq_ENK.float() * w_scale_EN.unsqueeze(2)
-    counts = counts_E.tolist()
-    counts[-1] += xq_RK.size(0) - sum(counts)
-    y_RN = torch.cat([x @ w.t() for x, w in zip(torch.split(x_RK, counts), w_ENK)])
-    return y_RN.to(torch.bfloat16)
+    w_EKN = (wq_ENK.float() * w_scale_EN.unsqueeze(2)).transpose(1, 2)
+    return expert_matmul(x_RK, w_EKN, counts_E, None, backend="loop").to(torch.bfloat16)
 
 
 def columns_matmul(aq_KP, a_scale_EK, bq_NP, b_scale_EN, counts_E) -> torch.Tensor:
@@ -325,8 +309,7 @@ def fp8_expert_matmul(x_RK: torch.Tensor, w_EKN: torch.Tensor, counts_E: torch.T
         raise ValueError(f"precision='fp8' cannot run on {why}; use precision='bf16'")
     if capacity is not None:
         counts_E = [capacity] * num_experts
-    counts_E = torch.as_tensor(counts_E, device=x_RK.device).to(torch.int64)
-    counts_E = counts_E.clone()
+    counts_E = torch.as_tensor(counts_E, device=x_RK.device).to(torch.int64, copy=True)
     counts_E[-1] += rows - counts_E.sum()  # the last expert owns the padding rows (zeros in, unread out)
     if torch.is_autocast_enabled(x_RK.device.type):
         x_RK = x_RK.to(torch.get_autocast_dtype(x_RK.device.type))
