@@ -36,7 +36,7 @@ from tqdm import tqdm
 
 from moetrain.config import Device, LoggerConfig, NonFinite, OptimConfig, Precision, SettingError, TrainerConfig
 from moetrain.data import DataModule
-from moetrain.moe import MoELayer, update_router_biases
+from moetrain.moe import MoELayer, moe_layers, update_router_biases
 from moetrain.moe.recompute import set_activation_checkpointing
 from moetrain.quant.training import fp8_supported
 from moetrain.train import checkpoint
@@ -110,17 +110,16 @@ class Trainer:
         self.run_dir, self.run_config = Path(run_dir), run_config
         self.processes = processes or SingleProcess()
         self.device = resolve_device(trainer.device)
-        bf16 = (trainer.precision in (Precision.bf16, Precision.fp8)
-                or (trainer.precision == Precision.auto and self.device.type == "cuda"))
+        # auto and fp8: bf16 autocast on CUDA; on the CPU fp32 (fp8's expert GEMMs are emulated there)
+        bf16 = trainer.precision == Precision.bf16 or (trainer.precision in (Precision.auto, Precision.fp8)
+                                                        and self.device.type == "cuda")
         if trainer.precision == Precision.fp8:
-            bf16 = self.device.type == "cuda"  # on the CPU the FP8 GEMMs are emulated in fp32
             supported, why = fp8_supported(self.device)
             if not supported:
                 raise SettingError(f"TrainerConfig.precision='fp8' needs an sm90+ GPU or the CPU, not {why}; "
                                    "use TrainerConfig.precision='bf16'")
-            for layer in model.modules():
-                if isinstance(layer, MoELayer):
-                    layer.precision = "fp8"
+            for layer in moe_layers(model):
+                layer.precision = "fp8"
         self.autocast = (
             (lambda: torch.autocast(self.device.type, dtype=torch.bfloat16)) if bf16 else nullcontext
         )
