@@ -188,3 +188,15 @@ def compose():
             return hydra.compose(config_name=cli.CONFIG_NAME, overrides=overrides)
 
     return _compose
+
+
+# A small multilingual text corpus (accents, CJK, symbols) for runs on the byte-level tokenizer.
+DOCUMENTS = ["Le café était chaud et la crème fraîche. ", "naïve façade, déjà vu; 日本語のテキスト. ",
+             "plain ascii text about mixtures of experts and routers. ", "ünïcödé: ½ ¾ € £ ¥. "] * 3
+
+
+def write_corpus(folder) -> None:
+    """DOCUMENTS as one .txt file each in a new `folder` (what data=text data.path=FOLDER reads)."""
+    folder.mkdir()
+    for index, text in enumerate(DOCUMENTS):
+        (folder / f"{index:02d}.txt").write_text(text, encoding="utf-8")

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import TINY_RUN, TINY_SYNTHETIC
+from conftest import TINY_RUN, TINY_SYNTHETIC, write_corpus
 
 import moetrain
 from moetrain import cli
@@ -43,8 +43,6 @@ LM_RUN = ["data.seq_len=16", "data.batch_size=4", "data.eval_batch_size=4", "tra
           "trainer.checkpoint_every=1", "trainer.keep_checkpoints=0", "trainer.eval_every=0", "trainer.eval_batches=0",
           "trainer.progress_bar=false", "logger=none"]
 SYNTHETIC_LM = ["data.train_size=32", "data.eval_size=8"]
-DOCUMENTS = ["Le café était chaud et la crème fraîche. ", "naïve façade, déjà vu; 日本語のテキスト. ",
-             "plain ascii text about mixtures of experts and routers. ", "ünïcödé: ½ ¾ € £ ¥. "] * 3
 
 
 def train(run_dir: Path, *overrides: str) -> Path:
@@ -60,9 +58,7 @@ def train(run_dir: Path, *overrides: str) -> Path:
 def runs(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("runs")
     corpus = root / "corpus"
-    corpus.mkdir()
-    for index, text in enumerate(DOCUMENTS):
-        (corpus / f"{index:02d}.txt").write_text(text, encoding="utf-8")
+    write_corpus(corpus)
     return {
         "qwen3": train(root / "qwen3", "+recipe=qwen3_moe_lm", *LM_RUN, *SYNTHETIC_LM),
         "bytes": train(root / "bytes", "+recipe=qwen3_moe_lm", *LM_RUN, "data=text", f"data.path={corpus}",

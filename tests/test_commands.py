@@ -25,6 +25,8 @@ import torch
 import torch.nn.functional as F
 import yaml
 
+from conftest import write_corpus
+
 import moetrain
 from moetrain import cli, commands, ops
 from moetrain.data.text import ByteTokenizer
@@ -37,8 +39,6 @@ MOETRAIN = str(Path(sys.executable).parent / "moetrain")
 TINY_LM = ["+recipe=qwen3_moe_lm", "data.seq_len=16", "data.batch_size=4", "data.eval_batch_size=4",
            "trainer.max_steps=3", "trainer.checkpoint_every=1", "trainer.keep_checkpoints=0", "trainer.eval_every=0",
            "trainer.progress_bar=false", "logger=none"]
-DOCUMENTS = ["Le café était chaud et la crème fraîche. ", "naïve façade, déjà vu; 日本語のテキスト. ",
-             "plain ascii text about mixtures of experts and routers. ", "ünïcödé: ½ ¾ € £ ¥. "] * 3
 
 
 def moetrain_command(*args: str, cwd: Path) -> subprocess.CompletedProcess:
@@ -62,9 +62,7 @@ def train(run_dir: Path, *overrides: str) -> Path:
 def runs(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("runs")
     corpus = root / "corpus"
-    corpus.mkdir()
-    for index, text in enumerate(DOCUMENTS):
-        (corpus / f"{index:02d}.txt").write_text(text, encoding="utf-8")
+    write_corpus(corpus)
     return {"text": train(root / "text", "data=text", f"data.path={corpus}", "data.eval_fraction=0.3"),
             "ids": train(root / "ids", "data.train_size=32", "data.eval_size=8")}
 
