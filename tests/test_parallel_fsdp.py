@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 from datetime import timedelta
+from unittest import mock
 from pathlib import Path
 
 import pytest
@@ -38,6 +39,7 @@ from moetrain.data import synthetic
 from moetrain.models import VisionMoE
 from moetrain.parallel import spawn
 from moetrain.parallel.expert import host_group, set_adaptive_r
+from moetrain.parallel.fsdp import whole_world_mesh
 from moetrain.parallel.layout import ExpertLayout, collective_timeout
 from moetrain.parallel.training import Distributed
 from moetrain.train import Trainer, seed_everything
@@ -145,10 +147,17 @@ def group_timeouts() -> dict[str, float]:
     inherited, told = ExpertLayout(1), ExpertLayout(1, timeout_s=100)
     # A group of another backend than "gloo" (as NCCL is), for which host_group makes a Gloo group.
     not_gloo = dist.new_group(backend="cpu:gloo", timeout=timedelta(seconds=150))
+    # FSDP's mesh of the whole world: the world's group, and on a machine with CUDA (where torch
+    # would make a new group with its default timeout) a group that waits as told.
+    world = whole_world_mesh("cpu")
+    with mock.patch("torch.cuda.is_available", return_value=True):
+        world_with_cuda = whole_world_mesh("cpu", 120)
     return {"layout": collective_timeout(inherited.expert_group(1)),
             "layout told": collective_timeout(told.expert_group(1)),
             "host": collective_timeout(host_group(not_gloo)),
-            "host told": collective_timeout(host_group(not_gloo, 100))}
+            "host told": collective_timeout(host_group(not_gloo, 100)),
+            "world mesh is the world": world.get_group() == dist.group.WORLD,
+            "world mesh with CUDA": collective_timeout(world_with_cuda.get_group())}
 
 
 def one_process_runs(run_dir: Path) -> dict[str, list]:
@@ -218,6 +227,7 @@ def test_expert_parallel_groups_wait_as_configured(ranks):
     torch's default for new groups."""
     for results in ranks:
         assert results["timeouts"] == {"layout": WORLD_TIMEOUT_S, "layout told": 100, "host": 150, "host told": 100,
+                                       "world mesh is the world": True, "world mesh with CUDA": 120,
                                        "replica mesh": WORLD_TIMEOUT_S, "expert mesh": WORLD_TIMEOUT_S}
 
 

@@ -75,6 +75,18 @@ def _waiting(device_type: str, timeout_s: float | None):
     return options
 
 
+def whole_world_mesh(device_type: str, timeout_s: float | None = None) -> DeviceMesh:
+    """The 1-D mesh of every rank (dimension "shard"). It reuses the world's group, except on a Gloo
+    world where CUDA is available: there torch makes a new group (Gloo for CPU tensors, NCCL for CUDA
+    ones) with its default timeout, so this mesh makes a Gloo group that waits timeout_s seconds
+    instead (None: as long as the world's). Collective: every rank calls it."""
+    waiting = {}
+    if torch.cuda.is_available() and dist.get_backend() == "gloo":
+        waiting = {"shard": _waiting("cpu", timeout_s)}
+    return init_device_mesh(device_type, (dist.get_world_size(),), mesh_dim_names=("shard",),
+                            backend_override=waiting)
+
+
 @torch.no_grad()
 def broadcast_from_first(tensors: list[torch.Tensor]) -> None:
     """Every rank starts from rank 0's values (as DDP does), whatever its seed."""
@@ -134,7 +146,7 @@ def shard_model(model: nn.Module, expert_parallel: bool = False, mixed_precision
             layer.experts.set_gradient_divide_factor(1.0)
             layer.experts.set_force_sum_reduction_for_comms(True)
             layer.parallel.experts_sharded = True
-    world_mesh = init_device_mesh(device_type, (dist.get_world_size(),), mesh_dim_names=("shard",))
+    world_mesh = whole_world_mesh(device_type, timeout_s)
     for module in model.modules():
         if isinstance(module, TransformerBlock):
             fully_shard(module, mesh=world_mesh, **policies)
