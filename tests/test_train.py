@@ -214,7 +214,9 @@ def test_cuda_runs_under_bf16_autocast(tmp_path):
     from moetrain.config import Device
 
     model = RecordsDtype(tiny_model())
-    metrics = make_trainer(tmp_path, model=model, device=Device.cuda, max_steps=2).fit()
+    trainer = make_trainer(tmp_path, model=model, device=Device.cuda, max_steps=2)
+    metrics = trainer.fit()
     assert model.dtypes == {torch.bfloat16}
+    assert trainer.optimizer.defaults["fused"]  # one fused AdamW kernel, not the multi-tensor default
     assert next(model.parameters()).device.type == "cuda" and next(model.parameters()).dtype == torch.float32
     assert math.isfinite(metrics["train/loss"]) and metrics["step"] == 2

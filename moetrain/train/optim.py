@@ -23,9 +23,13 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer
         {"params": [p for p in parameters if _decays(p)], "weight_decay": cfg.weight_decay},
         {"params": [p for p in parameters if not _decays(p)], "weight_decay": 0.0},
     ]
+    # On CUDA one fused kernel updates every parameter: on moe_1b5 (1.47B fp32 parameters, H200) the
+    # default multi-tensor AdamW took 32 ms of a 270 ms step, the fused one about half of that.
+    # Elsewhere (CPU) torch's default implementation.
+    fused = True if parameters and all(p.device.type == "cuda" for p in parameters) else None
     if cfg.name == OptimizerName.adamw:
-        return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps)
-    return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum)
+        return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, fused=fused)
+    return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum, fused=fused)
 
 
 def learning_rate(step: int, cfg: OptimConfig, max_steps: int) -> float:
