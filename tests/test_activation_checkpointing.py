@@ -6,6 +6,7 @@ again in the recomputation), and checkpointing really keeps fewer activations.""
 
 from __future__ import annotations
 
+import collections
 import copy
 
 import pytest
@@ -114,6 +115,32 @@ def test_checkpointing_keeps_less_and_routes_once(monkeypatch):
         kept[mode], plans = _saved_bytes_and_plans(copy.deepcopy(model), mode, monkeypatch)
         assert plans == 2, (mode, plans)  # one plan per MoE layer: the recomputation replays it
     assert kept["full"] < kept["selective"] < kept["none"], kept
+
+
+def test_selective_runs_the_closing_gemms_once(monkeypatch):
+    """selective recomputes attention up to its output projection and the experts' hidden part
+    (first GEMM and activation); the GEMMs that close them run once, their inputs kept."""
+    model = make_model(GATES["sigmoid+bias, dropless"], "swiglu")
+    set_activation_checkpointing(model, "selective")
+    calls = collections.Counter()
+
+    def counted(name, function):
+        def run(*args, **kwargs):
+            calls[name] += 1
+            return function(*args, **kwargs)
+        return run
+
+    for block in model.blocks:
+        for name in ("q_proj", "o_proj"):
+            getattr(block.attn, name).register_forward_hook(lambda *args, name=name: calls.update([name]))
+        for part in ("hidden", "project"):
+            monkeypatch.setattr(block.ffn.experts, part, counted(part, getattr(block.ffn.experts, part)))
+    tokens = torch.randint(0, 24, (2, 8), generator=torch.Generator().manual_seed(3))
+    logits = model(tokens)
+    blocks = len(model.blocks)
+    assert calls == {"q_proj": blocks, "o_proj": blocks, "hidden": blocks, "project": blocks}
+    (logits.square().mean() + sum(layer.aux_loss for layer in moe_layers(model))).backward()
+    assert calls == {"q_proj": 2 * blocks, "o_proj": blocks, "hidden": 2 * blocks, "project": blocks}
 
 
 def test_bad_mode_and_model_without_blocks_are_refused():

@@ -145,6 +145,10 @@ class Attention(nn.Module):
         self.k_norm = nn.RMSNorm(head_dim, eps=norm_eps) if qk_norm else None
 
     def forward(self, x_BTD: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        return self.o_proj(self.mix(x_BTD, rotary))
+
+    def mix(self, x_BTD: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """Attention before the output projection -> [B, T, num_heads * head_dim]."""
         B, T, _ = x_BTD.shape
         q_BNTHd = self.q_proj(x_BTD).view(B, T, self.num_heads, self.head_dim).transpose(1, 2)
         k_BKTHd = self.k_proj(x_BTD).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
@@ -162,7 +166,7 @@ class Attention(nn.Module):
             is_causal=self.causal,
             enable_gqa=self.num_kv_heads != self.num_heads,
         )
-        return self.o_proj(o_BNTHd.transpose(1, 2).reshape(B, T, -1))
+        return o_BNTHd.transpose(1, 2).reshape(B, T, -1)
 
 
 class LatentAttention(nn.Module):
@@ -211,6 +215,10 @@ class LatentAttention(nn.Module):
         return x.unflatten(-1, (-1, 2)).transpose(-1, -2).flatten(-2)
 
     def forward(self, x_BTD: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        return self.o_proj(self.mix(x_BTD, rotary))
+
+    def mix(self, x_BTD: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """Attention before the output projection -> [B, T, num_heads * v_head_dim]."""
         B, T, _ = x_BTD.shape
         if self.q_lora_rank is None:
             q = self.q_proj(x_BTD)
@@ -236,14 +244,15 @@ class LatentAttention(nn.Module):
             is_causal=True,
             scale=self.softmax_scale,
         )
-        return self.o_proj(o_BNTHd.transpose(1, 2).reshape(B, T, -1))
+        return o_BNTHd.transpose(1, 2).reshape(B, T, -1)
 
 
 class TransformerBlock(nn.Module):
     """Pre-norm residual block: x + attention(norm(x)), then x + ffn(norm(x)).
 
     activation_checkpointing (moetrain.moe.recompute): "full" recomputes the whole block in
-    backward, "selective" its attention (the MoE layer recomputes its experts itself)."""
+    backward, "selective" its attention but the output projection (the MoE layer recomputes its
+    experts' hidden activations itself)."""
 
     activation_checkpointing = "none"
 
@@ -267,9 +276,20 @@ class TransformerBlock(nn.Module):
     def _attention(self, x_BTD: torch.Tensor, rotary) -> torch.Tensor:
         return self.attn(self.attn_norm(x_BTD), rotary)
 
+    def _mix(self, x_BTD: torch.Tensor, rotary) -> torch.Tensor:
+        return self.attn.mix(self.attn_norm(x_BTD), rotary)
+
+    def _recomputed_attention(self, x_BTD: torch.Tensor, rotary) -> torch.Tensor:
+        """Attention whose activations are recomputed in backward, all but the output projection's
+        (its input is kept: the GEMM would be recomputed for an output the backward never reads).
+        An attention module without mix/o_proj is recomputed whole."""
+        if isinstance(self.attn, (Attention, LatentAttention)):
+            return self.attn.o_proj(recompute.checkpoint_call(self._mix, x_BTD, rotary))
+        return recompute.checkpoint_call(self._attention, x_BTD, rotary)
+
     def _forward(self, x_BTD: torch.Tensor, rotary) -> torch.Tensor:
         if self.activation_checkpointing == "selective" and torch.is_grad_enabled():
-            attended_BTD = recompute.checkpoint_call(self._attention, x_BTD, rotary)
+            attended_BTD = self._recomputed_attention(x_BTD, rotary)
         else:
             attended_BTD = self._attention(x_BTD, rotary)
         x_BTD = x_BTD + self.dropout(attended_BTD)

@@ -32,7 +32,13 @@ def model_flops_utilization(tokens_per_second: float, model: MoETransformerLM, s
     return None if peak is None else tokens_per_second * flops_per_token(model, seq_len) / peak
 
 
-def measure(model: MoETransformerLM, batch_size: int, seq_len: int, steps: int, warmup: int, lr: float = 1e-4) -> dict:
+def next_token_loss(logits_BTV: torch.Tensor, tokens_BT: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy of each position's logits against the next token, in fp32."""
+    return F.cross_entropy(logits_BTV.flatten(0, 1).float(), tokens_BT[:, 1:].flatten())
+
+
+def measure(model: MoETransformerLM, batch_size: int, seq_len: int, steps: int, warmup: int, lr: float = 1e-4,
+            loss_fn=next_token_loss) -> dict:
     device = model.embed.weight.device
     on_gpu = device.type == "cuda"
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, fused=on_gpu)
@@ -46,7 +52,7 @@ def measure(model: MoETransformerLM, batch_size: int, seq_len: int, steps: int, 
         else:
             started = time.perf_counter()
         logits_BTV = model(tokens_BT[:, :-1])
-        loss = F.cross_entropy(logits_BTV.flatten(0, 1).float(), tokens_BT[:, 1:].flatten())
+        loss = loss_fn(logits_BTV, tokens_BT)
         loss = loss + sum(layer.aux_loss for layer in moe_layers(model))
         loss.backward()
         optimizer.step()
@@ -90,7 +96,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--impl", default="kernel", choices=["kernel", "torch"], help="MoE dispatch path")
     parser.add_argument("--precision", default="bf16", choices=list(PRECISIONS),
                         help="of the routed experts' GEMMs: fp8 runs every one of forward and backward in FP8")
-    parser.add_argument("--compile", action="store_true", help="torch.compile each transformer block")
+    parser.add_argument("--compile", action="store_true", help="torch.compile each transformer block and the loss")
     parser.add_argument("--activation-checkpointing", default="none", choices=list(recompute.MODES),
                         help="recompute in the backward: selective (attention and the experts' hidden "
                              "activations, never the routing) or full (each block)")
@@ -116,7 +122,8 @@ def main(argv=None) -> dict:
             block.compile()
     result = {"preset": args.preset, "device": str(args.device), "dtype": args.dtype, "impl": args.impl,
               "compile": args.compile,
-              "precision": args.precision, "activation_checkpointing": args.activation_checkpointing, **measure(model, args.batch_size, args.seq_len, args.steps, args.warmup)}
+              "precision": args.precision, "activation_checkpointing": args.activation_checkpointing, **measure(model, args.batch_size, args.seq_len, args.steps, args.warmup,
+                        loss_fn=torch.compile(next_token_loss) if args.compile else next_token_loss)}
     if result["device"].startswith("cuda"):
         result["device_name"] = torch.cuda.get_device_name()
         result["max_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30

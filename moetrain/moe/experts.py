@@ -75,7 +75,24 @@ class Experts(nn.Module):
         self.model_dim = model_dim
         self.hidden_size = hidden_size
 
-    def forward(self, x_RD: torch.Tensor, counts_E: torch.Tensor, capacity: int | None) -> torch.Tensor:
+    def forward(self, x_RD: torch.Tensor, counts_E: torch.Tensor, capacity: int | None,
+                part: str = "all") -> torch.Tensor:
+        """The experts on the expert-major rows x_RD -> [R, model_dim]: project(hidden(x)).
+
+        Subclasses implement hidden (the first GEMM and the activation -> [R, H]) and project (the
+        output GEMM), or override forward as a whole. part ("hidden" or "project") runs one of the
+        two: selective activation checkpointing recomputes the hidden part alone and keeps the
+        output GEMM's input, so that GEMM runs once (moetrain.moe.recompute.checkpoint_experts)."""
+        if part == "hidden":
+            return self.hidden(x_RD, counts_E, capacity)
+        if part == "project":
+            return self.project(x_RD, counts_E, capacity)
+        return self.project(self.hidden(x_RD, counts_E, capacity), counts_E, capacity)
+
+    def hidden(self, x_RD: torch.Tensor, counts_E: torch.Tensor, capacity: int | None) -> torch.Tensor:
+        raise NotImplementedError  # pragma: no cover - interface
+
+    def project(self, h_RH: torch.Tensor, counts_E: torch.Tensor, capacity: int | None) -> torch.Tensor:
         raise NotImplementedError  # pragma: no cover - interface
 
     def matmul(self, x_RI: torch.Tensor, w_EIO: torch.Tensor, counts_E, capacity: int | None) -> torch.Tensor:
@@ -100,38 +117,37 @@ class FFNExperts(Experts):
         self.w2 = _uniform((num_experts, hidden_size, model_dim), hidden_size)
         self.b2 = mark_expert(nn.Parameter(torch.zeros(num_experts, model_dim)))
 
-    def forward(self, x_RD, counts_E, capacity):
-        fused = self.impl == "kernel"
-        if capacity is not None and fused and padded_uses_bmm() and self.precision == "bf16":
-            return self._padded_fused(x_RD, capacity)
-        h_RH = self.matmul(x_RD, self.w1, counts_E, capacity)
-        if capacity is None and fused and packed_bias.kernel_runs(h_RH, self.b1.to(h_RH.dtype)):
-            return self._packed_fused(h_RH, counts_E)
-        h_RH = self.act(add_expert_bias(h_RH, self.b1, counts_E, capacity))
-        return add_expert_bias(self.matmul(h_RH, self.w2, counts_E, capacity), self.b2, counts_E, capacity)
+    def _padded_fused(self, capacity: int | None) -> bool:
+        """The padded layout's fused epilogue: each GEMM's bias (and the ReLU) added in place in one
+        pass over its output (moetrain.ops.bias_act) instead of a broadcasting add and an activation."""
+        return capacity is not None and self.impl == "kernel" and padded_uses_bmm() and self.precision == "bf16"
 
-    def _padded_fused(self, x_RD, capacity):
-        """Padded layout: each GEMM's bias (and the ReLU) added in place in one pass over its output
-        (moetrain.ops.bias_act) instead of a broadcasting add and an activation pass."""
-        relu = self.activation == "relu"
-        h_ECH = padded_matmul(x_RD, self.w1, capacity)
-        h_ECH = ops.bias_act(h_ECH, self.b1.to(h_ECH.dtype), capacity, relu)
-        if not relu:
-            h_ECH = self.act(h_ECH)
-        y_ECD = padded_matmul(h_ECH.view(-1, self.hidden_size), self.w2, capacity)
-        return ops.bias_act(y_ECD, self.b2.to(y_ECD.dtype), capacity, False).view(-1, self.model_dim)
+    def _packed_fused(self, y_RO: torch.Tensor, b_EO: torch.Tensor, capacity: int | None) -> bool:
+        """The packed layout's fused epilogue on CUDA: a GEMM's bias (and the ReLU) in one pass over
+        its output (moetrain.ops.packed_bias) instead of a one-hot GEMM epilogue and an activation."""
+        return capacity is None and self.impl == "kernel" and packed_bias.kernel_runs(y_RO, b_EO.to(y_RO.dtype))
 
-    def _packed_fused(self, h_RH, counts_E):
-        """Packed layout on CUDA, from the first GEMM's output: each GEMM's bias (and the ReLU) in one
-        pass over its output (moetrain.ops.packed_bias) instead of a one-hot GEMM epilogue and an
-        activation pass."""
+    def hidden(self, x_RD, counts_E, capacity):
         relu = self.activation == "relu"
-        expert_R = expert_of_rows(counts_E, h_RH.size(0))
-        h_RH = packed_bias.packed_bias_act(h_RH, self.b1.to(h_RH.dtype), expert_R, relu)
-        if not relu:
-            h_RH = self.act(h_RH)
-        y_RD = self.matmul(h_RH, self.w2, counts_E, None)
-        return packed_bias.packed_bias_act(y_RD, self.b2.to(y_RD.dtype), expert_R, False)
+        if self._padded_fused(capacity):
+            h_ECH = padded_matmul(x_RD, self.w1, capacity)
+            h_RH = ops.bias_act(h_ECH, self.b1.to(h_ECH.dtype), capacity, relu).view(-1, self.hidden_size)
+        else:
+            h_RH = self.matmul(x_RD, self.w1, counts_E, capacity)
+            if not self._packed_fused(h_RH, self.b1, capacity):
+                return self.act(add_expert_bias(h_RH, self.b1, counts_E, capacity))
+            expert_R = expert_of_rows(counts_E, h_RH.size(0))
+            h_RH = packed_bias.packed_bias_act(h_RH, self.b1.to(h_RH.dtype), expert_R, relu)
+        return h_RH if relu else self.act(h_RH)
+
+    def project(self, h_RH, counts_E, capacity):
+        if self._padded_fused(capacity):
+            y_ECD = padded_matmul(h_RH, self.w2, capacity)
+            return ops.bias_act(y_ECD, self.b2.to(y_ECD.dtype), capacity, False).view(-1, self.model_dim)
+        y_RD = self.matmul(h_RH, self.w2, counts_E, capacity)
+        if not self._packed_fused(y_RD, self.b2, capacity):
+            return add_expert_bias(y_RD, self.b2, counts_E, capacity)
+        return packed_bias.packed_bias_act(y_RD, self.b2.to(y_RD.dtype), expert_of_rows(counts_E, y_RD.size(0)), False)
 
 
 class SwiGLUExperts(Experts):
@@ -165,9 +181,11 @@ class SwiGLUExperts(Experts):
         """[E, D, H] view of the up projection's columns of w_gate_up."""
         return swiglu.split_gate_up(self.w_gate_up)[1]
 
-    def forward(self, x_RD, counts_E, capacity):
+    def hidden(self, x_RD, counts_E, capacity):
         gate_up_RH2 = self.matmul(x_RD, self.w_gate_up, counts_E, capacity)
-        h_RH = swiglu.gated_activation(gate_up_RH2, self.activation, self.impl)
+        return swiglu.gated_activation(gate_up_RH2, self.activation, self.impl)
+
+    def project(self, h_RH, counts_E, capacity):
         return self.matmul(h_RH, self.w_down, counts_E, capacity)
 
 
@@ -176,6 +194,12 @@ def _fuse_gate_up_entries(module, state_dict, prefix, *args) -> None:
     gate, up = prefix + "w_gate", prefix + "w_up"
     if gate in state_dict and up in state_dict and prefix + "w_gate_up" not in state_dict:
         state_dict[prefix + "w_gate_up"] = swiglu.interleave_gate_up(state_dict.pop(gate), state_dict.pop(up))
+
+
+def splits_hidden(experts: Experts) -> bool:
+    """Whether the experts run as hidden then project (Experts.forward), so that the hidden part
+    can be recomputed alone; experts that override forward as a whole are recomputed whole."""
+    return type(experts).forward is Experts.forward
 
 
 EXPERTS: dict[str, type[Experts]] = {"ffn": FFNExperts, "swiglu": SwiGLUExperts}

@@ -251,5 +251,5 @@ class MoELayer(nn.Module):
             raise ValueError("adaptive_r and a2a_ffn_overlap_degree need expert parallelism: call "
                              "moetrain.parallel.parallelize(model) after initialising torch.distributed")
         if recompute_experts:
-            return recompute.checkpoint_call(self.experts, buf_RD, plan.counts_E, plan.capacity)
+            return recompute.checkpoint_experts(self.experts, self.experts, buf_RD, plan.counts_E, plan.capacity)
         return self.experts(buf_RD, plan.counts_E, plan.capacity)

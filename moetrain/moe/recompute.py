@@ -4,9 +4,10 @@ Three modes, set on a model by `set_activation_checkpointing(model, mode)`:
 
   none       every activation is kept for the backward pass;
   selective  attention (with its input norm) and the routed experts' hidden activations are
-             recomputed in the backward pass; the gate, the routing plan, dispatch and combine
-             run once, so the recomputation starts from the same expert-major buffer and can
-             never route differently;
+             recomputed in the backward pass, but not the GEMMs that end them (attention's
+             output projection, the experts' output GEMM), whose inputs are kept; the gate,
+             the routing plan, dispatch and combine run once, so the recomputation starts from
+             the same expert-major buffer and can never route differently;
   full       each transformer block is recomputed as a whole. The recomputed MoE layer reuses
              the routing plan (and the balance loss's token counts) recorded by the first
              forward instead of building a new one, and its gate leaves its state untouched
@@ -23,7 +24,10 @@ layer asks `routing_phase()`.
 
 from __future__ import annotations
 
+import functools
 from contextlib import contextmanager
+
+import torch
 
 from torch import nn
 from torch.utils.checkpoint import checkpoint
@@ -89,6 +93,20 @@ def checkpoint_block(function, *args):
 def checkpoint_call(function, *args):
     """function(*args) with its activations recomputed in backward (a part without routing)."""
     return checkpoint(function, *args, use_reentrant=False)
+
+
+def checkpoint_experts(run, experts, x_RD: torch.Tensor, *args):
+    """run(x_RD, *args) -> the experts' output, with their hidden activations recomputed in
+    backward. run(x, *args, part=...) must run that part of the experts (Experts.forward's part).
+    Experts that split (moetrain.moe.experts.splits_hidden) recompute the hidden part alone: the
+    output GEMM's input is kept and that GEMM runs once, a third of the experts' forward FLOPs
+    (SwiGLU) not spent again. Others are recomputed whole."""
+    from moetrain.moe.experts import splits_hidden
+
+    if not splits_hidden(experts):
+        return checkpoint_call(run, x_RD, *args)
+    h_RH = checkpoint_call(functools.partial(run, part="hidden"), x_RD, *args)
+    return run(h_RH, *args, part="project")
 
 
 def set_activation_checkpointing(model: nn.Module, mode: str) -> None:

@@ -46,7 +46,7 @@ from torch.func import functional_call
 
 from moetrain import collectives
 from moetrain.moe.experts import Experts, FFNExperts, SwiGLUExperts, mark_expert
-from moetrain.moe.recompute import checkpoint_call
+from moetrain.moe.recompute import checkpoint_call, checkpoint_experts
 from moetrain.moe.routing import RoutingPlan
 from moetrain.parallel.layout import ExpertLayout, group_timeout
 
@@ -133,16 +133,20 @@ def _mean_gradient_experts(experts, params, x_RD, counts, capacity, world_size, 
     recompute: the experts' hidden activations are recomputed in backward (selective activation
     checkpointing); only the local computation is, never the exchange around it.
     params None: the experts' own parameters, through a module call (FSDP-sharded experts)."""
-    def run(x_RD, *param_values):
+    def run(x_RD, *param_values, part="all"):
+        kwargs = {} if part == "all" else {"part": part}
         if params is None:  # sharded by FSDP: calling the module lets its hooks gather the parameters
-            return experts(x_RD, counts, capacity)
-        return functional_call(experts, dict(zip(params, param_values)), (x_RD, counts, capacity))
+            return experts(x_RD, counts, capacity, **kwargs)
+        return functional_call(experts, dict(zip(params, param_values)), (x_RD, counts, capacity), kwargs)
 
     values = () if params is None else tuple(params.values())
 
     def call(x_RD):
+        if recompute and params is None:
+            # FSDP gathers the parameters at each module call: one call, recomputed whole
+            return checkpoint_call(run, x_RD)
         if recompute:
-            return checkpoint_call(run, x_RD, *values)
+            return checkpoint_experts(run, experts, x_RD, *values)
         return run(x_RD, *values)
 
     if world_size == 1:
