@@ -265,6 +265,10 @@ def test_fp8_precision_is_checked():
     x, w = torch.randn(4, 8), torch.randn(2, 8, 8)
     with pytest.raises(ValueError, match=r"precision must be one of \['fp8', 'fp8_block'\], got 'fp8_row'"):
         training.fp8_expert_matmul(x, w, [2, 2], None, "fp8_row")
+    with pytest.raises(ValueError, match="precision must be one of"):
+        fp8_supported(torch.device("cpu"), "bf16")
+    assert fp8_supported(torch.device("cpu"), "fp8_block") == (True, "CPU: emulated in fp32")
+    assert not fp8_supported(torch.device("meta"), "fp8_block")[0]
 
 
 def _layer_pair(device, expert, capacity_factor, seed, precision="fp8"):
