@@ -21,7 +21,10 @@ renormalised, dropless, bias-free SwiGLU experts) have the columns
   grouped_mm         torch's recipe for them: sort, torch._grouped_mm three times, scatter back
   gemms alone        the three expert GEMMs, forward and backward, on equal blocks (the bound)
   fp8                the moetrain layer with precision="fp8" (on sm90+): every expert GEMM of
-                     forward and backward in FP8 (moetrain.quant.training), against bf16
+                     forward and backward in FP8 with row-wise scales (moetrain.quant.training),
+                     against bf16
+  fp8_block          the same with precision="fp8_block": DeepSeek-V3's 1x128 / 128x128 block
+                     scales, against bf16
 The ceiling is a short burst; a layer's GEMMs run for seconds, and a large one (mixtral) draws
 enough power for the card to lower its clocks, so "gemms alone" is the bound that shape can reach.
 Useful expert FLOPs = tokens * D * H * k * matmuls (2 FFN, 3 SwiGLU) * 2 flop/mac * 3 (forward +
@@ -90,6 +93,7 @@ TARGETS = {"gshard_2k": (0.60, 1.2), "mixtral": (0.88, 1.0), "deepseek_fg": (0.5
            "moe_1b5": (0.60, 1.3), "qwen3_30b": (0.55, 1.3), "mixtral_lm": (0.60, 1.3), "dsv3": (0.55, 1.3)}
 DROPLESS_TARGET = 1.25  # FFN shapes: the dropless column against the grouped_mm baseline
 FP8_TARGET = 1.4  # LM shapes: precision="fp8" against the same layer in bf16
+FP8_BLOCK_TARGET = 1.25  # LM shapes: precision="fp8_block" against the same layer in bf16
 # For a few-core CPU: the four GPU shapes with tokens and widths divided by 8 (experts and k kept),
 # and two configurations of a 2-core machine (experts x top-k: 8 x 2 and 32 x 4).
 CPU_SHAPES = {
@@ -335,8 +339,9 @@ def bench_shape(shape: Shape, device: torch.device, dtype: torch.dtype, capacity
             columns["moetrain_dropless"] = lambda x: layer(x, capacity_factor=0)
         if grouped.grouped_mm_supported(x_TD, layer.experts.w_down if swiglu else layer.experts.w1)[0]:
             columns["grouped_mm"] = GroupedMMSwiGLUBaseline(layer) if swiglu else GroupedMMBaseline(layer)
-        if swiglu and fp8_supported(device)[0]:
-            columns["moetrain_fp8"] = in_precision(layer, "fp8")
+        for precision in ("fp8", "fp8_block"):
+            if swiglu and fp8_supported(device, precision)[0]:
+                columns[f"moetrain_{precision}"] = in_precision(layer, precision)
     else:
         torch_layer = build_layer(shape, device, dtype, capacity_factor, impl="torch")
         torch_layer.load_state_dict(layer.state_dict())
@@ -410,15 +415,19 @@ def gpu_table(results: list[dict], ceiling: float) -> str:
     if lm:
         head = (f"{'LM shape':<12} {'moetrain':>9} {'grouped':>8} {'gemms':>6}   {'of ceiling':>10} {'target':>6} "
                 f"{'gemms':>6}   {'vs grouped':>10} {'target':>6}   {'peak GiB moetrain/grouped':>25}   "
-                f"{'fp8':>6} {'vs bf16':>8} {'target':>6} {'peak GiB':>8}")
+                f"{'fp8':>6} {'vs bf16':>8} {'target':>6} {'peak GiB':>8}   "
+                f"{'fp8_block':>9} {'vs bf16':>8} {'target':>6} {'peak GiB':>8}")
         lines += ([""] if lines else []) + [head, "-" * len(head)]
         for r in lm:
-            fp8 = _tflops(r, "moetrain_fp8")
-            lines.append(f"{r['shape']['name']:<12} {_tflops(r, 'moetrain'):9.0f} {_against_bounds(r, ceiling)}   "
+            fp8, fp8_block, bf16 = (_tflops(r, c) for c in ("moetrain_fp8", "moetrain_fp8_block", "moetrain"))
+            lines.append(f"{r['shape']['name']:<12} {bf16:9.0f} {_against_bounds(r, ceiling)}   "
                          f"{_peak(r, 'moetrain') + ' / ' + _peak(r, 'grouped_mm'):>25}   "
-                         f"{fp8:6.0f} {fp8 / _tflops(r, 'moetrain'):7.2f}x {FP8_TARGET:5.2f}x {_peak(r, 'moetrain_fp8'):>8}")
-        lines.append("LM: dropless bias-free SwiGLU experts, softmax top-k renormalised; fp8: the same layer with "
-                     "precision='fp8' (every expert GEMM of forward and backward in FP8), TFLOP/s counted as bf16's")
+                         f"{fp8:6.0f} {fp8 / bf16:7.2f}x {FP8_TARGET:5.2f}x {_peak(r, 'moetrain_fp8'):>8}   "
+                         f"{fp8_block:9.0f} {fp8_block / bf16:7.2f}x {FP8_BLOCK_TARGET:5.2f}x "
+                         f"{_peak(r, 'moetrain_fp8_block'):>8}")
+        lines.append("LM: dropless bias-free SwiGLU experts, softmax top-k renormalised; fp8 / fp8_block: the same "
+                     "layer with precision='fp8' / 'fp8_block' (every expert GEMM of forward and backward in FP8, "
+                     "row-wise / 1x128 and 128x128 block scales), TFLOP/s counted as bf16's")
     lines.append(f"useful expert TFLOP/s, forward + backward; dense GEMM ceiling {ceiling:.0f} TFLOP/s; "
                  "gemms = the expert GEMMs alone (the bound)")
     compiled = [r for r in results if "compiled" in r]

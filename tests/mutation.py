@@ -193,7 +193,7 @@ MUTANTS = [
            "amax / (E4M3_MAX * E2M1_MAX)", "amax / E4M3_MAX",
            QUANT_TESTS, "the NVFP4 tensor scale ignores E2M1's range"),
     Mutant("fp8_block_scale", "moetrain/quant/formats.py",
-           "w_NbSKbS / scale_NbKb[:, None, :, None]", "w_NbSKbS / scale_NbKb[:, None, :, None] / 2",
+           "w_NbSKbS / scale_NbKb[..., :, None, :, None]", "w_NbSKbS / scale_NbKb[..., :, None, :, None] / 2",
            QUANT_TESTS, "FP8 128x128 blocks stored at half their scale (saturating)"),
 ]
 

@@ -70,3 +70,19 @@ def test_cli_rejects_unknown_shape():
     with pytest.raises(SystemExit) as error:
         bench.main(["--device", "cpu", "--shapes", "mixtral"])
     assert error.value.code == 2
+
+
+def test_lm_table_has_fp8_and_fp8_block_against_bf16():
+    """The GPU table's LM rows: each FP8 precision's TFLOP/s, its ratio to the bf16 layer and its
+    target; a precision that did not run (no sm90 GPU, no kernel) prints as nan and -."""
+    def timed(tflops):
+        return {"ms": 1.0, "tflops": tflops, "peak_gib": 2.0}
+
+    result = {"shape": {"name": "moe_1b5", "expert": "swiglu"}, "moetrain": timed(400.0), "grouped_mm": timed(300.0),
+              "gemms_alone": timed(600.0), "moetrain_fp8": timed(480.0), "moetrain_fp8_block": timed(520.0)}
+    row = next(line for line in bench.gpu_table([result], 800.0).splitlines() if line.startswith("moe_1b5"))
+    assert f"480    1.20x  {bench.FP8_TARGET:4.2f}x" in row
+    assert f"520    1.30x  {bench.FP8_BLOCK_TARGET:4.2f}x" in row
+    del result["moetrain_fp8_block"]
+    row = next(line for line in bench.gpu_table([result], 800.0).splitlines() if line.startswith("moe_1b5"))
+    assert row.rstrip().endswith("nan     nanx  1.25x        -")

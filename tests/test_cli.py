@@ -112,6 +112,7 @@ ERRORS = [
     (["+trainer.foo=1"], "unknown key trainer.foo"),
     (["trainer.max_steps=abc"], "bad value for trainer.max_steps"),
     (["trainer.on_nonfinite=maybe"], "expected one of [stop, skip]"),
+    (["trainer.precision=fp8_row"], "expected one of [auto, bf16, fp32, fp8, fp8_block]"),
     (["gate.top_k=9"], "gate.top_k=9 exceeds model.num_experts=4"),
     (["-m", "gate.top_k=1,9"], "gate.top_k=9 exceeds model.num_experts=4"),
     (["+model.dimm=3"], "did you mean dim?"),

@@ -1,12 +1,17 @@
-"""FP8 training of the expert GEMMs (moetrain.quant.training, MoELayer(precision="fp8")).
+"""FP8 training of the expert GEMMs (moetrain.quant.training, MoELayer(precision="fp8" | "fp8_block")).
 
-Each quantization is checked bit for bit against moetrain.quant.formats (the E4M3 codec and scale
-written from the format definition); each of the three GEMMs of a step (forward, dgrad, wgrad)
-against an fp32 GEMM of the dequantized operands, which it equals up to the order of the fp32
-accumulation and the final bfloat16 rounding; and the layer's gradients against the same layer in
-full precision within the bound E4M3's 3-bit mantissa allows. On a GPU the CUDA path (Triton
-quantization, torch._scaled_grouped_mm) is checked against the same references.
+Each quantization is checked bit for bit: "fp8"'s against moetrain.quant.formats (the E4M3 codec and
+scale written from the format definition), "fp8_block"'s 1x128, 128x1 and 128x128 tiles against a
+loop over the tiles written from the definition (scale = the tile's largest magnitude / 448, values
+divided by it and rounded to E4M3). Each of the three GEMMs of a step (forward, dgrad, wgrad) is
+checked against an fp32 GEMM of the dequantized operands, which it equals up to the order of the
+fp32 accumulation and the final bfloat16 rounding; and the layer's gradients against the same
+layer in full precision within the bound E4M3's 3-bit mantissa allows. On a GPU the CUDA paths
+(Triton quantization, torch._scaled_grouped_mm for "fp8", moetrain.ops.triton_grouped for
+"fp8_block") are checked against the same references.
 """
+
+import math
 
 import pytest
 import torch
@@ -14,11 +19,18 @@ import torch
 from moetrain import MoELayer
 from moetrain.quant import training
 from moetrain.quant.formats import FORMATS, dequantize_fp8_groups, quantize_fp8_groups
+from moetrain.quant.training import fp8_supported
 
 CUDA = pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(
     not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0), reason="no sm90 GPU")])
 DEVICES = ["cpu", CUDA]
 BF16_ULP = 2.0**-7  # a bfloat16 rounding of the output: at most half of this, relative
+
+
+def _skip_unless_supported(device: str, precision: str) -> None:
+    ok, why = fp8_supported(torch.device(device), precision)
+    if not ok:
+        pytest.skip(f"precision={precision!r} does not run here: {why}")
 
 
 def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -140,25 +152,148 @@ def test_three_gemms_are_fp32_gemms_of_the_dequantized_operands(device, rows, k,
             assert not w.grad[e].any()
 
 
-def _layer_pair(device, expert, capacity_factor, seed):
+# ---------------------------------------------------------------- fp8_block
+
+
+def _reference_tiles(x: torch.Tensor, tile: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [A, B] quantized per tile of tile[0] x tile[1] elements (ragged at the far edges), from the
+    definition, one tile at a time: scale = largest magnitude / 448 (1 for an all-zero tile), values
+    x / scale rounded to E4M3 -> (float8_e4m3fn [A, B], fp32 scales [ceil(A/t0), ceil(B/t1)])."""
+    x = x.detach().float().cpu()
+    (rows, cols), (t0, t1) = x.shape, tile
+    q = torch.empty(rows, cols, dtype=torch.float8_e4m3fn)
+    scale = torch.empty(-(-rows // t0), -(-cols // t1))
+    for i in range(scale.size(0)):
+        for j in range(scale.size(1)):
+            part = x[i * t0:(i + 1) * t0, j * t1:(j + 1) * t1]
+            amax = part.abs().max()
+            scale[i, j] = amax / 448.0 if amax > 0 else 1.0
+            q[i * t0:(i + 1) * t0, j * t1:(j + 1) * t1] = (part / scale[i, j]).to(torch.float8_e4m3fn)
+    return q, scale
+
+
+def _reference_dequantized(x: torch.Tensor, tile: tuple[int, int]) -> torch.Tensor:
+    """x as a GEMM sees it once quantized per tile (the reference above, decoded)."""
+    q, scale = _reference_tiles(x, tile)
+    expanded = scale.repeat_interleave(tile[0], 0).repeat_interleave(tile[1], 1)[:x.size(0), :x.size(1)]
+    return q.float() * expanded
+
+
+def _same_bits(got: torch.Tensor, want: torch.Tensor) -> bool:
+    return torch.equal(got.detach().cpu().contiguous().view(torch.uint8), want.contiguous().view(torch.uint8))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_block_tiles_are_the_definition_bit_for_bit(device):
+    """1x128 row tiles (x, dy), 128x1 column tiles over global 128-row blocks (wgrad's x, dy) and
+    128x128 weight blocks, on sizes that are not multiples of 128, against _reference_tiles."""
+    _skip_unless_supported(device, "fp8_block")
+    g = torch.Generator().manual_seed(11)
+    x = (torch.randn(300, 200, generator=g) * torch.logspace(-3, 3, 200)).to(device, torch.bfloat16)
+    x[:, 128:] = 0  # a zero tile: scale 1
+    q_RK, scale_RKb = training.quantize_row_tiles(x)
+    want_q, want_scale = _reference_tiles(x, (1, 128))
+    assert scale_RKb.shape == (300, 2) and torch.equal(scale_RKb.cpu(), want_scale)
+    assert _same_bits(q_RK, want_q)
+    q_KR, scale_RbK = training.quantize_column_tiles(x)
+    want_q, want_scale = _reference_tiles(x, (128, 1))
+    assert q_KR.shape == (200, 300) and scale_RbK.shape == (3, 200)
+    assert torch.equal(scale_RbK.cpu(), want_scale) and _same_bits(q_KR.t(), want_q)
+    w = (torch.randn(3, 200, 130, generator=g) * torch.logspace(-2, 2, 130)).to(device)
+    q_ENK, scale_EKbNb = training.quantize_weight_blocks(w, k_contiguous=True)
+    q_EKN, scale_again = training.quantize_weight_blocks(w, k_contiguous=False)
+    assert q_ENK.shape == (3, 130, 200) and q_EKN.shape == (3, 200, 130) and scale_EKbNb.shape == (3, 2, 2)
+    assert q_ENK.is_contiguous() and q_EKN.is_contiguous()
+    assert torch.equal(scale_again, scale_EKbNb)
+    for e in range(3):
+        want_q, want_scale = _reference_tiles(w[e], (128, 128))
+        assert torch.equal(scale_EKbNb[e].cpu(), want_scale)
+        assert _same_bits(q_EKN[e], want_q) and _same_bits(q_ENK[e].t(), want_q)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_non_finite_value_poisons_only_its_block_tiles(device):
+    _skip_unless_supported(device, "fp8_block")
+    x = torch.randn(260, 300, device=device, dtype=torch.bfloat16)
+    x[130, 5] = float("inf")
+    _, row_scale = training.quantize_row_tiles(x)
+    _, column_scale = training.quantize_column_tiles(x)
+    w = torch.randn(1, 260, 300, device=device)
+    w[0, 130, 5] = float("nan")
+    _, block_scale = training.quantize_weight_blocks(w, k_contiguous=True)
+    for scale, where in ((row_scale, (130, 0)), (column_scale, (1, 5)), (block_scale[0], (1, 0))):
+        nan = torch.zeros(scale.shape, dtype=torch.bool)
+        nan[where] = True
+        assert torch.equal(scale.isnan().cpu(), nan)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("rows,k,n,experts,padding", [(64, 32, 48, 4, 0), (517, 200, 80, 6, 11), (300, 256, 384, 3, 0),
+                                                      (9, 16, 16, 3, 0)])
+def test_block_gemms_are_fp32_gemms_of_the_dequantized_operands(device, rows, k, n, experts, padding):
+    """fp8_block's forward, dgrad and wgrad against fp32 GEMMs of the operands quantized by
+    _reference_tiles: K and N below, above and at multiples of 128, an expert without rows, row
+    counts (and 128-row blocks) that straddle experts, padding rows past the last expert."""
+    _skip_unless_supported(device, "fp8_block")
+    g = torch.Generator().manual_seed(rows + k)
+    counts = _counts(rows, experts, g, empty=1)
+    x = torch.randn(rows + padding, k, generator=g) * torch.logspace(-1, 1, k)
+    x[rows:] = 0  # the packed layout's padding rows
+    x = x.to(device, torch.bfloat16).requires_grad_()
+    w = (torch.randn(experts, k, n, generator=g) / k**0.5).to(device).requires_grad_()
+    y = training.fp8_expert_matmul(x, w, torch.tensor(counts, device=device), None, "fp8_block")
+    assert y.shape == (rows + padding, n) and y.dtype == torch.bfloat16
+    all_counts = counts[:-1] + [counts[-1] + padding]
+    w_blocks = torch.stack([_reference_dequantized(w_KN, (128, 128)) for w_KN in w.detach()])
+    want_y = _per_expert(_reference_dequantized(x, (1, 128)), w_blocks, all_counts)
+    assert _rel(y[:rows], want_y[:rows]) < BF16_ULP
+    dy = torch.randn(rows + padding, n, generator=g).to(device, torch.bfloat16)
+    y.backward(dy)
+    want_dx = _per_expert(_reference_dequantized(dy, (1, 128)), w_blocks.transpose(1, 2), all_counts)
+    assert x.grad.dtype == torch.bfloat16 and w.grad.dtype == torch.float32
+    assert _rel(x.grad, want_dx) < BF16_ULP
+    xs, dys = _reference_dequantized(x, (128, 1)), _reference_dequantized(dy, (128, 1))
+    want_dw = torch.stack([a.t() @ b for a, b in zip(torch.split(xs, all_counts), torch.split(dys, all_counts))])
+    for e, count in enumerate(all_counts):
+        if count:
+            assert _rel(w.grad[e], want_dw[e]) < BF16_ULP, f"expert {e}"
+        else:
+            assert not w.grad[e].any()
+
+
+def test_fp8_precision_is_checked():
+    x, w = torch.randn(4, 8), torch.randn(2, 8, 8)
+    with pytest.raises(ValueError, match=r"precision must be one of \['fp8', 'fp8_block'\], got 'fp8_row'"):
+        training.fp8_expert_matmul(x, w, [2, 2], None, "fp8_row")
+    with pytest.raises(ValueError, match="precision must be one of"):
+        fp8_supported(torch.device("cpu"), "bf16")
+    assert fp8_supported(torch.device("cpu"), "fp8_block") == (True, "CPU: emulated in fp32")
+    assert not fp8_supported(torch.device("meta"), "fp8_block")[0]
+
+
+def _layer_pair(device, expert, capacity_factor, seed, precision="fp8"):
     torch.manual_seed(seed)
     # GELU, not ReLU, for the FFN: where ReLU's input is within rounding of 0 its derivative flips
     # between 0 and 1, and those few flips (in any precision) would dominate the comparison.
     kwargs = dict(model_dim=64, num_experts=4, hidden_size=96, top_k=2, expert=expert, capacity_factor=capacity_factor,
                   activation="gelu" if expert == "ffn" else "silu", gate_kwargs={"normalize": True} if expert == "swiglu" else None)
     full = MoELayer(**kwargs).to(device)
-    fp8 = MoELayer(**kwargs, precision="fp8").to(device)
+    fp8 = MoELayer(**kwargs, precision=precision).to(device)
     fp8.load_state_dict(full.state_dict())
     return full, fp8
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("precision", ["fp8", "fp8_block"])
 @pytest.mark.parametrize("expert,capacity_factor", [("swiglu", 0.0), ("ffn", 0.0), ("ffn", 1.25)])
-def test_layer_gradients_stay_within_the_fp8_bound_of_full_precision(device, expert, capacity_factor):
+def test_layer_gradients_stay_within_the_fp8_bound_of_full_precision(device, precision, expert, capacity_factor):
     """Same weights, same routing (the gate is not quantized): outputs and every gradient within
     10% relative. E4M3 rounds each operand by up to 2^-4 relative (about 2.5% rms), one GEMM of two
-    quantized operands is off by about 3.5%, and a gradient here passes through two such GEMMs."""
-    full, fp8 = _layer_pair(device, expert, capacity_factor, seed=5)
+    quantized operands is off by about 3.5%, and a gradient here passes through two such GEMMs.
+    The bound is the same for fp8_block: a finer scale shrinks only the error of values far below
+    their group's largest one (down to E4M3's subnormals), not the 2^-4 relative rounding."""
+    _skip_unless_supported(device, precision)
+    full, fp8 = _layer_pair(device, expert, capacity_factor, seed=5, precision=precision)
     x = torch.randn(4, 33, 64, device=device)
     probe = torch.randn(4, 33, 64, device=device)  # dy: random, so that rounding errors do not line up
     outputs, grads = [], []
@@ -176,32 +311,38 @@ def test_layer_gradients_stay_within_the_fp8_bound_of_full_precision(device, exp
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_empty_batch_and_empty_experts(device):
-    full, fp8 = _layer_pair(device, "swiglu", 0.0, seed=1)
+@pytest.mark.parametrize("precision", ["fp8", "fp8_block"])
+def test_empty_batch_and_empty_experts(device, precision):
+    _skip_unless_supported(device, precision)
+    full, fp8 = _layer_pair(device, "swiglu", 0.0, seed=1, precision=precision)
     x = torch.randn(0, 64, device=device, requires_grad=True)
     y = fp8(x)
     y.sum().backward()
     assert y.shape == (0, 64) and not fp8.experts.w_down.grad.any()
     w = torch.randn(3, 16, 16, device=device, requires_grad=True)
     y = training.fp8_expert_matmul(torch.randn(0, 16, device=device, dtype=torch.bfloat16), w,
-                                   torch.zeros(3, dtype=torch.long, device=device), None)
+                                   torch.zeros(3, dtype=torch.long, device=device), None, precision)
     y.sum().backward()
     assert y.shape == (0, 16) and torch.equal(w.grad, torch.zeros_like(w))
 
 
 def test_precision_is_checked_and_settable():
-    with pytest.raises(ValueError, match="precision must be one of"):
+    with pytest.raises(ValueError, match=r"precision must be one of \['bf16', 'fp8', 'fp8_block'\], got 'fp16'"):
         MoELayer(16, 2, 16, precision="fp16")
     layer = MoELayer(16, 2, 16)
     assert layer.precision == "bf16"
     layer.precision = "fp8"
     assert layer.experts.precision == "fp8" and "precision='fp8'" in repr(layer)
+    layer.precision = "fp8_block"
+    assert layer.experts.precision == "fp8_block" and "precision='fp8_block'" in repr(layer)
 
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0), reason="no sm90 GPU")
-def test_fp8_layer_compiles_to_one_graph_with_the_eager_result():
-    _, fp8 = _layer_pair("cuda", "swiglu", 0.0, seed=2)
+@pytest.mark.parametrize("precision", ["fp8", "fp8_block"])
+def test_fp8_layer_compiles_to_one_graph_with_the_eager_result(precision):
+    _skip_unless_supported("cuda", precision)
+    _, fp8 = _layer_pair("cuda", "swiglu", 0.0, seed=2, precision=precision)
     fp8.to(torch.bfloat16)
     fp8.gate.float()
     x = torch.randn(2, 300, 64, device="cuda", dtype=torch.bfloat16)
@@ -253,3 +394,33 @@ def test_qwen3_recipe_in_fp8_reaches_the_full_precision_validation_loss(tmp_path
     assert losses["fp32"] < 0.6 * math.log(257), losses  # it learned: byte-level text is far from uniform
     assert abs(losses["fp8"] - losses["fp32"]) <= 0.03 * losses["fp32"], losses
     assert losses["fp8"] != losses["fp32"]  # the FP8 GEMMs really ran
+
+
+def test_trainer_precision_fp8_block_runs_every_expert_gemm_in_fp8_block(tmp_path, monkeypatch):
+    """`moetrain trainer.precision=fp8_block` (in process, the quickstart recipe, tiny, CPU): the
+    trainer sets every MoE layer to fp8_block, so each step's expert GEMMs (forward, dgrad, wgrad)
+    all go through the block-scaled path, and the run finishes with a finite loss."""
+    import json
+    import sys
+
+    from conftest import TINY_RUN, TINY_SYNTHETIC
+
+    from moetrain import cli
+
+    calls = {"rows": 0, "columns": 0}
+    for kind, name in (("rows", "block_rows_matmul"), ("columns", "block_columns_matmul")):
+        def counted(*args, _kind=kind, _gemm=getattr(training, name)):
+            calls[_kind] += 1
+            return _gemm(*args)
+        monkeypatch.setattr(training, name, counted)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", ["moetrain", "+recipe=quickstart", *TINY_RUN, *TINY_SYNTHETIC, "logger=none",
+                                      "trainer.device=cpu", "trainer.precision=fp8_block", "trainer.eval_every=0",
+                                      f"hydra.run.dir={tmp_path / 'run'}", "hydra/job_logging=none",
+                                      "hydra/hydra_logging=none"])
+    cli.main()
+    metrics = json.loads((tmp_path / "run" / "metrics.json").read_text())
+    assert metrics["step"] == 3
+    assert all(math.isfinite(v) for k, v in metrics.items() if "loss" in k), metrics
+    # wgrad: once per expert GEMM and step; forward and dgrad: twice that, and the final evaluation's forwards
+    assert calls["columns"] and calls["columns"] % 3 == 0 and calls["rows"] > 2 * calls["columns"], calls

@@ -95,7 +95,8 @@ def main(argv=None) -> dict:
                         help="weights and activations; routers stay float32")
     parser.add_argument("--impl", default="kernel", choices=["kernel", "torch"], help="MoE dispatch path")
     parser.add_argument("--precision", default="bf16", choices=list(PRECISIONS),
-                        help="of the routed experts' GEMMs: fp8 runs every one of forward and backward in FP8")
+                        help="of the routed experts' GEMMs: fp8 runs every one of forward and backward in FP8 "
+                             "with row-wise scales, fp8_block with DeepSeek-V3's 1x128 / 128x128 block scales")
     parser.add_argument("--compile", action="store_true", help="torch.compile each transformer block and the loss")
     parser.add_argument("--activation-checkpointing", default="none", choices=list(recompute.MODES),
                         help="recompute in the backward: selective (attention and the experts' hidden "

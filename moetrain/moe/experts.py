@@ -24,7 +24,7 @@ from moetrain import ops
 from moetrain.ops import packed_bias, swiglu
 from moetrain.ops.grouped import add_expert_bias, expert_matmul, expert_of_rows, padded_matmul, padded_uses_bmm
 
-PRECISIONS = ("bf16", "fp8")  # how the expert GEMMs multiply (Experts.precision)
+PRECISIONS = ("bf16", "fp8", "fp8_block")  # how the expert GEMMs multiply (Experts.precision)
 
 
 def check_precision(precision) -> str:
@@ -62,8 +62,9 @@ class Experts(nn.Module):
 
     impl ("kernel" or "torch", set by MoELayer to its own) says whether compiled kernels may be
     used inside the experts (FFNExperts' fused epilogue); "torch" keeps them pure torch.
-    precision ("bf16" or "fp8", set by MoELayer to its own) is how the expert GEMMs multiply:
-    "bf16" in the operands' dtype, "fp8" every GEMM of forward and backward in FP8
+    precision ("bf16", "fp8" or "fp8_block", set by MoELayer to its own) is how the expert GEMMs
+    multiply: "bf16" in the operands' dtype, "fp8" every GEMM of forward and backward in FP8 with
+    row-wise scales, "fp8_block" the same with DeepSeek-V3's 1x128 / 128x128 block scales
     (moetrain.quant.training); custom experts call self.matmul to follow it."""
 
     impl: str = "torch"
@@ -97,11 +98,11 @@ class Experts(nn.Module):
 
     def matmul(self, x_RI: torch.Tensor, w_EIO: torch.Tensor, counts_E, capacity: int | None) -> torch.Tensor:
         """expert_matmul in this experts' precision."""
-        if self.precision == "fp8":
+        if self.precision != "bf16":
             # Imported here: moetrain.quant's package imports this module.
             from moetrain.quant.training import fp8_expert_matmul  # noqa: PLC0415
 
-            return fp8_expert_matmul(x_RI, w_EIO, counts_E, capacity)
+            return fp8_expert_matmul(x_RI, w_EIO, counts_E, capacity, self.precision)
         return expert_matmul(x_RI, w_EIO, counts_E, capacity)
 
 

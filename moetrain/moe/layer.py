@@ -137,8 +137,9 @@ class MoELayer(nn.Module):
 
     @property
     def precision(self) -> str:
-        """How the routed experts' GEMMs multiply: "bf16" (in the operands' dtype) or "fp8" (every
-        expert GEMM of forward and backward in FP8, moetrain.quant.training). Settable."""
+        """How the routed experts' GEMMs multiply: "bf16" (in the operands' dtype), "fp8" (every
+        expert GEMM of forward and backward in FP8, row-wise scales) or "fp8_block" (the same with
+        DeepSeek-V3's 1x128 / 128x128 block scales); moetrain.quant.training. Settable."""
         return self.experts.precision
 
     @precision.setter

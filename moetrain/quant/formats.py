@@ -137,6 +137,29 @@ def dequantize_fp8_groups(q_RK: torch.Tensor, scale_RB: torch.Tensor, group: int
     return (pad_to_blocks(q_RK.float(), group) * scale_RB.unsqueeze(-1)).flatten(-2)[..., :k]
 
 
+def quantize_fp8_blocks(w_NK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Matrices [..., N, K] -> (E4M3 values [..., N, K] contiguous, fp32 scales [..., ceil(N/128),
+    ceil(K/128)]): one scale per 128x128 block (DeepSeek-V3), ragged edges zero-padded inside their
+    block. Any leading dims are a batch (FP8 training quantizes all experts' weights at once); torch
+    ops only, so the same arithmetic runs on every device and under torch.compile."""
+    *batch, n, k = w_NK.shape
+    rows, cols = math.ceil(n / FP8_BLOCK), math.ceil(k / FP8_BLOCK)
+    # Zero-pad both dimensions to whole blocks and view the blocks as [..., Nb, S, Kb, S].
+    padded = torch.nn.functional.pad(w_NK.float(), (0, cols * FP8_BLOCK - k, 0, rows * FP8_BLOCK - n))
+    w_NbSKbS = padded.view(*batch, rows, FP8_BLOCK, cols, FP8_BLOCK)
+    amax, finite = finite_amax(w_NbSKbS, (-3, -1))
+    scale_NbKb = fp8_scale(amax, finite)
+    q = e4m3_encode(w_NbSKbS / scale_NbKb[..., :, None, :, None])
+    return q.flatten(-2, -1).flatten(-3, -2)[..., :n, :k].contiguous(), scale_NbKb
+
+
+def dequantize_fp8_blocks(q_NK: torch.Tensor, scale_NbKb: torch.Tensor) -> torch.Tensor:
+    """The inverse of quantize_fp8_blocks up to its rounding -> fp32 [..., N, K]."""
+    n, k = q_NK.shape[-2:]
+    scale_NK = scale_NbKb.repeat_interleave(FP8_BLOCK, -2).repeat_interleave(FP8_BLOCK, -1)[..., :n, :k]
+    return q_NK.float() * scale_NK
+
+
 # ---------------------------------------------------------------- weight formats
 
 
@@ -176,20 +199,11 @@ class FP8PerChannel(WeightFormat):
 
 class FP8Blockwise(WeightFormat):
     def quantize(self, w_NK):
-        n, k = w_NK.shape
-        rows, cols = math.ceil(n / FP8_BLOCK), math.ceil(k / FP8_BLOCK)
-        # Zero-pad both dimensions to whole blocks and view the blocks as [Nb, S, Kb, S].
-        padded = torch.nn.functional.pad(w_NK.float(), (0, cols * FP8_BLOCK - k, 0, rows * FP8_BLOCK - n))
-        w_NbSKbS = padded.view(rows, FP8_BLOCK, cols, FP8_BLOCK)
-        amax, finite = finite_amax(w_NbSKbS, (1, 3))
-        scale_NbKb = fp8_scale(amax, finite)
-        q = e4m3_encode(w_NbSKbS / scale_NbKb[:, None, :, None])
-        return {"data": q.flatten(2, 3).flatten(0, 1)[:n, :k].contiguous(), "scale": scale_NbKb}
+        q_NK, scale_NbKb = quantize_fp8_blocks(w_NK)
+        return {"data": q_NK, "scale": scale_NbKb}
 
     def dequantize(self, q, k):
-        n = q["data"].size(0)
-        scale_NK = q["scale"].repeat_interleave(FP8_BLOCK, 0).repeat_interleave(FP8_BLOCK, 1)[:n, :k]
-        return q["data"].float() * scale_NK
+        return dequantize_fp8_blocks(q["data"], q["scale"])
 
 
 class MXFP4(WeightFormat):

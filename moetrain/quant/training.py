@@ -1,9 +1,11 @@
-"""FP8 training of the expert GEMMs: MoELayer(precision="fp8"), trainer.precision=fp8.
+"""FP8 training of the expert GEMMs: MoELayer(precision="fp8" | "fp8_block"), trainer.precision=fp8 | fp8_block.
 
 Every expert GEMM of the step, forward and both backward GEMMs, multiplies E4M3 operands with fp32
 scales and fp32 accumulation; the master weights keep their dtype (fp32 under autocast) and are
-quantized afresh at every step. Scales run along the reduction dimension of each GEMM, so a scale
-can be taken out of the sum:
+quantized afresh at every step. Two scaling recipes (R rows, K input features, N output features):
+
+"fp8", row-wise: scales run along the whole reduction dimension of each GEMM, so a scale can be
+taken out of the sum:
 
   GEMM     product              first operand scaled per         second operand scaled per
   forward  y_RN  = x_RK w_KN    row of x (token), over K          column n of w, over K
@@ -11,30 +13,52 @@ can be taken out of the sum:
   wgrad    dw_KN = x_RK^T dy_RN column k of x, over its expert's  column n of dy, over its expert's
                                 rows                              rows
 
-Gradients are E4M3 too, not E5M2: with a scale per row (or per column and expert) the range of a
-scaled group is at most 448 / smallest normal, and E4M3's third mantissa bit halves the rounding
-error E5M2 would add (DeepSeek-V3 trains with E4M3 gradients under fine-grained scales for the
-same reason). Outputs round to bfloat16, as the tensor cores write them; dx and dw then take the
-dtype of x and w.
+"fp8_block", DeepSeek-V3's fine-grained recipe (the inference format fp8_block's arithmetic,
+moetrain.quant.formats): scales per 128 elements of the reduction dimension, so one outlier costs
+the precision of 128 values, not of a whole row; the GEMM multiplies each 128-deep slab of partial
+sums by its two scales before accumulating:
 
-On CUDA (sm90+) the GEMMs are torch._scaled_grouped_mm: per-row scales, one launch for all experts;
-the weight gradient's operands are transposed and quantized per expert column by one Triton
-kernel that also pads each expert's rows to a multiple of 16 (the FP8 kernel's alignment). On the
-CPU every GEMM is emulated: the operands are quantized with the same arithmetic
-(moetrain.quant.formats, bit for bit), dequantized to fp32 and multiplied in fp32, then rounded
-to bfloat16; only the order of the fp32 accumulation differs from the GPU.
+  GEMM     first operand scaled per                 second operand scaled per
+  forward  x: 1x128 tile along K, [R, K/128]        w: 128x128 block, [E, K/128, N/128]
+  dgrad    dy: 1x128 tile along N, [R, N/128]       w: the same 128x128 blocks, read transposed
+  wgrad    x: 128x1 tile, [R/128, K]                dy: 128x1 tile, [R/128, N]
+
+(sizes rounded up). The wgrad tiles are global blocks of 128 packed rows (rows 128i..128i+127); a
+block that straddles two experts shares its scale between them, which keeps the quantization one
+pass with no per-expert padding.
+
+Gradients are E4M3 too, not E5M2: with a scale per row, per column and expert, or per 128-element
+tile the range of a scaled group is at most 448 / smallest normal, and E4M3's third mantissa bit
+halves the rounding error E5M2 would add (DeepSeek-V3 trains with E4M3 gradients under
+fine-grained scales for the same reason). Outputs round to bfloat16, as the tensor cores write
+them; dx and dw then take the dtype of x and w.
+
+On CUDA (sm90+), "fp8": the GEMMs are torch._scaled_grouped_mm: per-row scales, one launch for all
+experts; the weight gradient's operands are transposed and quantized per expert column by one
+Triton kernel that also pads each expert's rows to a multiple of 16 (the FP8 kernel's alignment).
+"fp8_block": the GEMMs are moetrain.ops.triton_grouped's block-scaled grouped GEMMs; the 1x128 tiles
+are quantized by quant.kernels.quantize_fp8, the 128x1 tiles (transposed, rows contiguous) by the
+same Triton kernels as "fp8"'s columns, the 128x128 weight blocks by torch ops. On the CPU every
+GEMM is emulated: the operands are quantized with the same arithmetic (moetrain.quant.formats, bit
+for bit), dequantized to fp32 and multiplied in fp32, then rounded to bfloat16; only the order of
+the fp32 accumulation differs from the GPU.
 
 Shape letters: R rows (expert-major, packed or padded), K input features, N output features,
-E experts, P rows padded per expert to multiples of ALIGN.
+E experts, P rows padded per expert to multiples of ALIGN; Kb, Nb, Rb those dims in 128-blocks.
 """
 
 from __future__ import annotations
+
+import importlib.util
 
 import torch
 
 from moetrain.ops.grouped import expert_matmul, expert_of_rows, group_ends
 from moetrain.quant import kernels
-from moetrain.quant.formats import e4m3_encode, finite_amax, fp8_scale, quantize_fp8_groups
+from moetrain.quant.formats import (
+    FP8_BLOCK, dequantize_fp8_blocks, dequantize_fp8_groups, e4m3_encode, finite_amax, fp8_scale, quantize_fp8_blocks,
+    quantize_fp8_groups,
+)
 
 try:
     import triton
@@ -43,16 +67,33 @@ except ImportError:  # the CUDA path needs Triton (fp8_supported says so)
     triton = None
 
 ALIGN = 16  # rows of each expert in the weight-gradient GEMM: a multiple of 16 bytes of E4M3
+FP8_PRECISIONS = ("fp8", "fp8_block")  # the recipes of the module docstring
 
 
-def fp8_supported(device: torch.device) -> tuple[bool, str]:
-    """Whether the FP8 expert GEMMs run on this device, and why not when they do not."""
+def _check_fp8_precision(precision: str) -> str:
+    if precision not in FP8_PRECISIONS:
+        raise ValueError(f"precision must be one of {list(FP8_PRECISIONS)}, got {precision!r}")
+    return precision
+
+
+@torch.compiler.assume_constant_result  # a fixed fact of the install: torch.compile need not trace importlib
+def _block_gemm_installed() -> bool:
+    """Whether moetrain.ops.triton_grouped (fp8_block's CUDA grouped GEMMs) is part of this install."""
+    return importlib.util.find_spec("moetrain.ops.triton_grouped") is not None
+
+
+def fp8_supported(device: torch.device, precision: str = "fp8") -> tuple[bool, str]:
+    """Whether the FP8 expert GEMMs of this recipe ("fp8" or "fp8_block") run on this device, and
+    why not when they do not."""
+    _check_fp8_precision(precision)
     if device.type == "cpu":
         return True, "CPU: emulated in fp32"
     if device.type != "cuda":
         return False, f"{device.type} tensors (FP8 training runs on CUDA or emulated on the CPU)"
-    if not hasattr(torch, "_scaled_grouped_mm") or triton is None:
+    if precision == "fp8" and (not hasattr(torch, "_scaled_grouped_mm") or triton is None):
         return False, f"torch {torch.__version__} without torch._scaled_grouped_mm or without Triton"
+    if precision == "fp8_block" and (triton is None or not _block_gemm_installed()):
+        return False, "an install without Triton or without moetrain.ops.triton_grouped (the block-scaled grouped GEMM)"
     if torch.cuda.get_device_capability(device) < (9, 0):
         return False, "GPU older than sm90 (Hopper): no FP8 grouped GEMM"
     return True, "CUDA sm90+"
@@ -142,7 +183,8 @@ if triton is not None:
         """q[c, at(r)] = x[r, c] / scale[e(r), c] in E4M3, scale = amax / 448 (1 for a zero column,
         NaN for a non-finite one): formats.fp8_scale and e4m3_encode's arithmetic (IEEE division,
         saturation, round to nearest even). at(r): PACKED, the row's place among its expert's rows
-        padded to ALIGN (q is one [C, P]); otherwise its place in its matrix (q is [E, C, rows])."""
+        padded to ALIGN (q is one [C, P]); otherwise its place in its matrix, written at
+        e * stride_qe + c * stride_qc + place ([E, C, rows] for weights, [C, R] for 128x1 tiles)."""
         rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
         cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
         row_ok, col_ok = rows < R, cols < C
@@ -158,7 +200,7 @@ if triton is not None:
             offsets = cols.to(tl.int64)[None, :] * stride_qc + at[:, None]
         else:
             start = expert * rows_per_matrix
-            offsets = expert.to(tl.int64)[:, None] * stride_qe + cols[None, :] * stride_qc + (rows - start)[:, None]
+            offsets = expert.to(tl.int64)[:, None] * stride_qe + cols.to(tl.int64)[None, :] * stride_qc + (rows - start)[:, None]
         scaled = tl.clamp(tl.math.div_rn(x, scale), -_E4M3_MAX, _E4M3_MAX, propagate_nan=tl.PropagateNan.ALL)
         tl.store(q_ptr + offsets, scaled.to(tl.float8e4nv).to(tl.uint8, bitcast=True), mask=mask)
         first_row_of_expert = mask & (rows == start)[:, None]
@@ -169,9 +211,10 @@ _BLOCK_R, _BLOCK_C = 64, 128
 
 
 def _quantize_transposed(x_RC: torch.Tensor, num_experts: int, counts_E: torch.Tensor | None, q: torch.Tensor,
-                         scale_EC: torch.Tensor, stride_qe: int, stride_qc: int) -> None:
+                         scale_EC: torch.Tensor, stride_qe: int, stride_qc: int, rows_per_matrix: int | None = None) -> None:
     """Launch the two kernels above: per-(expert, column) amax, then quantize and write transposed.
-    counts_E: the packed layout's rows per expert; None: x is num_experts equal matrices stacked."""
+    counts_E: the packed layout's rows per expert; None: x is num_experts matrices of rows_per_matrix
+    rows stacked (default R / num_experts; the last one may be shorter)."""
     rows, cols = x_RC.shape
     amax_EC = torch.zeros(num_experts, cols, dtype=torch.float32, device=x_RC.device)
     grid = (triton.cdiv(rows, _BLOCK_R), triton.cdiv(cols, _BLOCK_C))
@@ -182,7 +225,10 @@ def _quantize_transposed(x_RC: torch.Tensor, num_experts: int, counts_E: torch.T
         expert_R = expert_of_rows(counts_E, rows)
     else:
         ends_E = padded_ends_E = expert_R = amax_EC  # unread
-    rows_per_matrix = 1 if packed else rows // num_experts
+    if packed:
+        rows_per_matrix = 1
+    elif rows_per_matrix is None:
+        rows_per_matrix = rows // num_experts
     with torch.cuda.device(x_RC.device):
         _column_amax_kernel[grid](x_RC, expert_R, amax_EC, rows, cols, rows_per_matrix, PACKED=packed,
                                   BLOCK_R=_BLOCK_R, BLOCK_C=_BLOCK_C, num_warps=4)
@@ -231,6 +277,58 @@ def _(w_EKN, over):
     return w_EKN.new_empty(e, n, k, dtype=torch.float8_e4m3fn), w_EKN.new_empty(e, n, dtype=torch.float32)
 
 
+# ---------------------------------------------------------------- quantization, fp8_block
+
+
+def quantize_row_tiles(x_RK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """E4M3 values [R, K] and fp32 scales [R, Kb]: one scale per row and 128 consecutive columns
+    (1x128 tiles: x for the forward, dy for dgrad)."""
+    if x_RK.is_cuda:
+        return kernels.quantize_fp8(x_RK.contiguous(), FP8_BLOCK)
+    return quantize_fp8_groups(x_RK, FP8_BLOCK)
+
+
+def quantize_column_tiles(x_RC: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x transposed and quantized per 128x1 tile: values [C, R] (each column's rows contiguous, the
+    layout the weight-gradient GEMM reads) and fp32 scales [Rb, C], one per column and global block
+    of 128 rows (rows 128i..128i+127, whichever experts own them; the last block may be shorter)."""
+    if x_RC.is_cuda:
+        return _quantize_column_tiles_cuda(x_RC.contiguous())
+    q_CR, scale_CRb = quantize_fp8_groups(x_RC.t(), FP8_BLOCK)
+    return q_CR, scale_CRb.t().contiguous()
+
+
+def quantize_weight_blocks(w_EKN: torch.Tensor, k_contiguous: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """E4M3 copy of w with one fp32 scale per 128x128 block of each w[e]: scales [E, Kb, Nb]; values
+    stored [E, N, K] (k_contiguous: the forward reads w[e] with K, its reduction dim, contiguous) or
+    [E, K, N] (dgrad reads w[e].T, reducing over N). A block's scale and values are the same in
+    either storage; only the layout differs."""
+    if k_contiguous:
+        q_ENK, scale_ENbKb = quantize_fp8_blocks(w_EKN.transpose(1, 2))
+        return q_ENK, scale_ENbKb.transpose(1, 2).contiguous()
+    return quantize_fp8_blocks(w_EKN)
+
+
+@torch.library.custom_op("moetrain::fp8_quantize_column_tiles", mutates_args=(), device_types="cuda")
+def _quantize_column_tiles_cuda(x_RC: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    rows, cols = x_RC.shape
+    blocks = -(-rows // FP8_BLOCK)
+    # empty: every value and every scale is written (each block has at least one row)
+    q_CR = torch.empty(cols, rows, dtype=torch.uint8, device=x_RC.device)
+    scale_RbC = torch.empty(blocks, cols, dtype=torch.float32, device=x_RC.device)
+    if rows and cols:
+        # the 128-row blocks as stacked matrices: row r of block i lands at q[c, 128 i + (r - 128 i)]
+        _quantize_transposed(x_RC, blocks, None, q_CR, scale_RbC, FP8_BLOCK, rows, rows_per_matrix=FP8_BLOCK)
+    return q_CR.view(torch.float8_e4m3fn), scale_RbC
+
+
+@_quantize_column_tiles_cuda.register_fake
+def _(x_RC):
+    rows, cols = x_RC.shape
+    return (x_RC.new_empty(cols, rows, dtype=torch.float8_e4m3fn),
+            x_RC.new_empty(-(-rows // FP8_BLOCK), cols, dtype=torch.float32))
+
+
 # ---------------------------------------------------------------- GEMMs
 
 
@@ -262,6 +360,46 @@ def columns_matmul(aq_KP, a_scale_EK, bq_NP, b_scale_EN, counts_E) -> torch.Tens
     return torch.stack(dw).to(torch.bfloat16)
 
 
+def block_rows_matmul(aq_RK, a_scale_RKb, bq_EKN, b_scale_EKbNb, counts_E) -> torch.Tensor:
+    """c[r] = A[r] @ B[e] for each row's expert e -> bf16 [R, N], with A = aq scaled per 1x128 tile
+    along K (a_scale [R, Kb]) and B = bq scaled per 128x128 block (b_scale [E, Kb, Nb]): the
+    forward (b = w) and dgrad (b = w[e].T, K and N swapped) of fp8_block. bq may be any view; for
+    the GPU's speed b[e] should have K contiguous. counts_E must sum to R."""
+    rows, n = aq_RK.size(0), bq_EKN.size(2)
+    if rows == 0:
+        return torch.zeros(0, n, dtype=torch.bfloat16, device=aq_RK.device)
+    if aq_RK.is_cuda:
+        from moetrain.ops import triton_grouped  # noqa: PLC0415 - optional kernel module, CUDA only
+
+        return triton_grouped.grouped_mm(aq_RK, bq_EKN, group_ends(counts_E, rows, aq_RK.device), a_scale=a_scale_RKb,
+                                         b_scale=b_scale_EKbNb, block=FP8_BLOCK, out_dtype=torch.bfloat16)
+    a_RK = dequantize_fp8_groups(aq_RK, a_scale_RKb, FP8_BLOCK)
+    b_EKN = dequantize_fp8_blocks(bq_EKN, b_scale_EKbNb)
+    return expert_matmul(a_RK, b_EKN, counts_E, None, backend="loop").to(torch.bfloat16)
+
+
+def block_columns_matmul(aq_RK, a_scale_RbK, bq_RN, b_scale_RbN, counts_E) -> torch.Tensor:
+    """dw[e] = sum over expert e's rows r of A[r]^T B[r] -> bf16 [E, K, N], with A and B scaled per
+    128x1 tile (a_scale [Rb, K], b_scale [Rb, N]: one scale per column and global 128-row block):
+    fp8_block's weight gradient. aq and bq may be transposed views (the GPU reads them fastest with
+    rows contiguous). counts_E must sum to R."""
+    num_experts, rows, k, n = counts_E.numel(), aq_RK.size(0), aq_RK.size(1), bq_RN.size(1)
+    if rows == 0:
+        return torch.zeros(num_experts, k, n, dtype=torch.bfloat16, device=aq_RK.device)
+    if aq_RK.is_cuda:
+        from moetrain.ops import triton_grouped  # noqa: PLC0415 - optional kernel module, CUDA only
+
+        return triton_grouped.grouped_mm_wgrad(aq_RK, bq_RN, group_ends(counts_E, rows, aq_RK.device),
+                                               a_scale=a_scale_RbK, b_scale=b_scale_RbN, block=FP8_BLOCK,
+                                               out_dtype=torch.bfloat16)
+    # A 128x1 tile is a 1x128 tile of the transpose.
+    a_RK = dequantize_fp8_groups(aq_RK.t(), a_scale_RbK.t(), FP8_BLOCK).t()
+    b_RN = dequantize_fp8_groups(bq_RN.t(), b_scale_RbN.t(), FP8_BLOCK).t()
+    counts = counts_E.tolist()
+    dw = [a_rK.t() @ b_rN for a_rK, b_rN in zip(torch.split(a_RK, counts), torch.split(b_RN, counts))]
+    return torch.stack(dw).to(torch.bfloat16)
+
+
 class _FP8ExpertMatmul(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_RK, w_EKN, counts_E):
@@ -289,6 +427,35 @@ class _FP8ExpertMatmul(torch.autograd.Function):
         return grad_x, grad_w, None
 
 
+class _FP8BlockExpertMatmul(torch.autograd.Function):
+    """fp8_block's three GEMMs (module docstring). Like "fp8", only x, w and the counts are kept
+    for backward: each GEMM quantizes its operands in the tiles it needs."""
+
+    @staticmethod
+    def forward(ctx, x_RK, w_EKN, counts_E):
+        xq_RK, x_scale_RKb = quantize_row_tiles(x_RK)
+        wq_ENK, w_scale_EKbNb = quantize_weight_blocks(w_EKN, k_contiguous=True)
+        ctx.save_for_backward(x_RK, w_EKN, counts_E)
+        return block_rows_matmul(xq_RK, x_scale_RKb, wq_ENK.transpose(1, 2), w_scale_EKbNb, counts_E).to(x_RK.dtype)
+
+    @staticmethod
+    def backward(ctx, dy_RN):
+        x_RK, w_EKN, counts_E = ctx.saved_tensors
+        dy_RN = dy_RN.contiguous()
+        grad_x = grad_w = None
+        if ctx.needs_input_grad[0]:
+            dyq_RN, dy_scale_RNb = quantize_row_tiles(dy_RN)
+            wq_EKN, w_scale_EKbNb = quantize_weight_blocks(w_EKN, k_contiguous=False)
+            # dx = dy @ w[e].T: the second operand is w[e].T [N, K], N (its reduction dim) contiguous
+            grad_x = block_rows_matmul(dyq_RN, dy_scale_RNb, wq_EKN.transpose(1, 2),
+                                       w_scale_EKbNb.transpose(1, 2).contiguous(), counts_E).to(x_RK.dtype)
+        if ctx.needs_input_grad[1]:
+            xq_KR, x_scale_RbK = quantize_column_tiles(x_RK)
+            dyq_NR, dy_scale_RbN = quantize_column_tiles(dy_RN)
+            grad_w = block_columns_matmul(xq_KR.t(), x_scale_RbK, dyq_NR.t(), dy_scale_RbN, counts_E).to(w_EKN.dtype)
+        return grad_x, grad_w, None
+
+
 def _padded_rows(counts_E: torch.Tensor, num_rows: int) -> int:
     """P: a bound on the padded row count that needs no host sync on CUDA (each expert adds at most
     ALIGN - 1 rows); on the CPU the exact count."""
@@ -300,18 +467,21 @@ def _padded_rows(counts_E: torch.Tensor, num_rows: int) -> int:
 
 
 def fp8_expert_matmul(x_RK: torch.Tensor, w_EKN: torch.Tensor, counts_E: torch.Tensor | list[int],
-                      capacity: int | None) -> torch.Tensor:
-    """y[r] = x[r] @ w[expert_of(r)] with every GEMM of forward and backward in FP8 (module docstring);
-    the same layouts and arguments as moetrain.ops.grouped.expert_matmul."""
+                      capacity: int | None, precision: str = "fp8") -> torch.Tensor:
+    """y[r] = x[r] @ w[expert_of(r)] with every GEMM of forward and backward in FP8, scaled by the
+    recipe `precision` ("fp8": row-wise, "fp8_block": DeepSeek-V3's blocks; module docstring); the
+    same layouts and arguments as moetrain.ops.grouped.expert_matmul."""
+    _check_fp8_precision(precision)
     num_experts, rows = w_EKN.size(0), x_RK.size(0)
-    ok, why = fp8_supported(x_RK.device)
+    ok, why = fp8_supported(x_RK.device, precision)
     if not ok:
-        raise ValueError(f"precision='fp8' cannot run on {why}; use precision='bf16'")
+        raise ValueError(f"precision={precision!r} cannot run on {why}; use precision='bf16'")
     if capacity is not None:
         counts_E = [capacity] * num_experts
     counts_E = torch.as_tensor(counts_E, device=x_RK.device).to(torch.int64, copy=True)
     counts_E[-1] += rows - counts_E.sum()  # the last expert owns the padding rows (zeros in, unread out)
     if torch.is_autocast_enabled(x_RK.device.type):
         x_RK = x_RK.to(torch.get_autocast_dtype(x_RK.device.type))
+    function = _FP8BlockExpertMatmul if precision == "fp8_block" else _FP8ExpertMatmul
     with torch.autocast(x_RK.device.type, enabled=False):
-        return _FP8ExpertMatmul.apply(x_RK, w_EKN, counts_E)
+        return function.apply(x_RK, w_EKN, counts_E)

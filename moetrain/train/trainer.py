@@ -110,16 +110,18 @@ class Trainer:
         self.run_dir, self.run_config = Path(run_dir), run_config
         self.processes = processes or SingleProcess()
         self.device = resolve_device(trainer.device)
-        # auto and fp8: bf16 autocast on CUDA; on the CPU fp32 (fp8's expert GEMMs are emulated there)
-        bf16 = trainer.precision == Precision.bf16 or (trainer.precision in (Precision.auto, Precision.fp8)
+        # auto, fp8 and fp8_block: bf16 autocast on CUDA; on the CPU fp32 (the FP8 expert GEMMs are
+        # emulated there)
+        fp8 = trainer.precision in (Precision.fp8, Precision.fp8_block)
+        bf16 = trainer.precision == Precision.bf16 or ((fp8 or trainer.precision == Precision.auto)
                                                         and self.device.type == "cuda")
-        if trainer.precision == Precision.fp8:
-            supported, why = fp8_supported(self.device)
+        if fp8:
+            supported, why = fp8_supported(self.device, trainer.precision.value)
             if not supported:
-                raise SettingError(f"TrainerConfig.precision='fp8' needs an sm90+ GPU or the CPU, not {why}; "
-                                   "use TrainerConfig.precision='bf16'")
+                raise SettingError(f"TrainerConfig.precision={trainer.precision.value!r} needs an sm90+ GPU or the "
+                                   f"CPU, not {why}; use TrainerConfig.precision='bf16'")
             for layer in moe_layers(model):
-                layer.precision = "fp8"
+                layer.precision = trainer.precision.value
         self.autocast = (
             (lambda: torch.autocast(self.device.type, dtype=torch.bfloat16)) if bf16 else nullcontext
         )
