@@ -55,7 +55,7 @@ import torch
 import torch.nn.functional as F
 
 from moetrain import MoELayer
-from moetrain.ops import grouped
+from moetrain.ops import grouped, triton_grouped
 from moetrain.quant.training import fp8_supported
 from moetrain.timing import median_ms
 
@@ -225,6 +225,18 @@ def in_precision(layer: MoELayer, precision: str) -> Callable[[torch.Tensor], to
     return call
 
 
+def with_backend(call: Callable[[torch.Tensor], torch.Tensor], backend: str) -> Callable[[torch.Tensor], torch.Tensor]:
+    """call with the packed layout's expert GEMMs on another backend (moetrain.ops.grouped)."""
+    def run(x_TD: torch.Tensor) -> torch.Tensor:
+        saved = grouped._default_backend
+        grouped.set_default_backend(backend)
+        try:
+            return call(x_TD)
+        finally:
+            grouped.set_default_backend(saved)
+    return run
+
+
 def layer_kind(layer: MoELayer) -> str:
     return "swiglu" if hasattr(layer.experts, "w_gate_up") else "ffn"
 
@@ -339,6 +351,10 @@ def bench_shape(shape: Shape, device: torch.device, dtype: torch.dtype, capacity
             columns["moetrain_dropless"] = lambda x: layer(x, capacity_factor=0)
         if grouped.grouped_mm_supported(x_TD, layer.experts.w_down if swiglu else layer.experts.w1)[0]:
             columns["grouped_mm"] = GroupedMMSwiGLUBaseline(layer) if swiglu else GroupedMMBaseline(layer)
+        if triton_grouped.triton is not None:
+            # the dropless layer with moetrain's own Triton grouped GEMMs instead of torch's
+            columns["moetrain_triton"] = with_backend(layer if swiglu else (lambda x: layer(x, capacity_factor=0)),
+                                                      "triton")
         for precision in ("fp8", "fp8_block"):
             if swiglu and fp8_supported(device, precision)[0]:
                 columns[f"moetrain_{precision}"] = in_precision(layer, precision)
@@ -401,14 +417,15 @@ def gpu_table(results: list[dict], ceiling: float) -> str:
     if ffn:
         head = (f"{'FFN shape':<12} {'moetrain':>9} {'dropless':>9} {'naive':>7} {'grouped':>8} {'gemms':>6}   "
                 f"{'of ceiling':>10} {'target':>6} {'gemms':>6}   {'vs grouped':>10} {'target':>6}   "
-                f"{'dropless':>8} {'target':>6}   {'peak GiB':>8}")
+                f"{'dropless':>8} {'target':>6}   {'peak GiB':>8}   {'triton':>6} {'vs dropless':>11}")
         lines += [head, "-" * len(head)]
         for r in ffn:
             dropless = _tflops(r, "moetrain_dropless")
             lines.append(
                 f"{r['shape']['name']:<12} {_tflops(r, 'moetrain'):9.0f} {dropless:9.0f} {_tflops(r, 'naive'):7.0f} "
                 f"{_against_bounds(r, ceiling)}   {dropless / _tflops(r, 'grouped_mm'):7.2f}x {DROPLESS_TARGET:5.2f}x   "
-                f"{_peak(r, 'moetrain'):>8}"
+                f"{_peak(r, 'moetrain'):>8}   {_tflops(r, 'moetrain_triton'):6.0f} "
+                f"{_tflops(r, 'moetrain_triton') / dropless:10.2f}x"
             )
         lines.append("FFN: ReLU experts with biases, capacity factor 1.0 (moetrain) or dropless; the dropless "
                      "ratio is against grouped")
@@ -416,7 +433,7 @@ def gpu_table(results: list[dict], ceiling: float) -> str:
         head = (f"{'LM shape':<12} {'moetrain':>9} {'grouped':>8} {'gemms':>6}   {'of ceiling':>10} {'target':>6} "
                 f"{'gemms':>6}   {'vs grouped':>10} {'target':>6}   {'peak GiB moetrain/grouped':>25}   "
                 f"{'fp8':>6} {'vs bf16':>8} {'target':>6} {'peak GiB':>8}   "
-                f"{'fp8_block':>9} {'vs bf16':>8} {'target':>6} {'peak GiB':>8}")
+                f"{'fp8_block':>9} {'vs bf16':>8} {'target':>6} {'peak GiB':>8}   {'triton':>6} {'vs bf16':>8}")
         lines += ([""] if lines else []) + [head, "-" * len(head)]
         for r in lm:
             fp8, fp8_block, bf16 = (_tflops(r, c) for c in ("moetrain_fp8", "moetrain_fp8_block", "moetrain"))
@@ -424,10 +441,12 @@ def gpu_table(results: list[dict], ceiling: float) -> str:
                          f"{_peak(r, 'moetrain') + ' / ' + _peak(r, 'grouped_mm'):>25}   "
                          f"{fp8:6.0f} {fp8 / bf16:7.2f}x {FP8_TARGET:5.2f}x {_peak(r, 'moetrain_fp8'):>8}   "
                          f"{fp8_block:9.0f} {fp8_block / bf16:7.2f}x {FP8_BLOCK_TARGET:5.2f}x "
-                         f"{_peak(r, 'moetrain_fp8_block'):>8}")
+                         f"{_peak(r, 'moetrain_fp8_block'):>8}   {_tflops(r, 'moetrain_triton'):6.0f} "
+                         f"{_tflops(r, 'moetrain_triton') / bf16:7.2f}x")
         lines.append("LM: dropless bias-free SwiGLU experts, softmax top-k renormalised; fp8 / fp8_block: the same "
                      "layer with precision='fp8' / 'fp8_block' (every expert GEMM of forward and backward in FP8, "
-                     "row-wise / 1x128 and 128x128 block scales), TFLOP/s counted as bf16's")
+                     "row-wise / 1x128 and 128x128 block scales), TFLOP/s counted as bf16's; triton: the same "
+                     "bf16 layer with moetrain.ops.triton_grouped's GEMMs instead of torch._grouped_mm")
     lines.append(f"useful expert TFLOP/s, forward + backward; dense GEMM ceiling {ceiling:.0f} TFLOP/s; "
                  "gemms = the expert GEMMs alone (the bound)")
     compiled = [r for r in results if "compiled" in r]

@@ -1,7 +1,7 @@
 """Expert GEMM backends (moetrain/ops/grouped.py) against a per-expert loop written out here.
 
 Runs on the CPU (bmm, loop, and torch._grouped_mm where this torch has a CPU kernel) and, with a
-GPU, on CUDA in bf16 (torch._grouped_mm on sm90+) and fp32.
+GPU, on CUDA in bf16 (torch._grouped_mm on sm90+, moetrain's Triton grouped GEMMs) and fp32.
 """
 
 import logging
@@ -49,6 +49,9 @@ def cases(device):
         yield "grouped_mm", 6, torch.bfloat16
         yield "auto", None, torch.bfloat16
         yield "bmm", 6, torch.bfloat16
+        yield "triton", None, torch.bfloat16
+        yield "triton", 6, torch.bfloat16
+        yield "triton", None, torch.float32
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -83,6 +86,8 @@ def test_bad_backend_and_bmm_without_capacity_are_refused():
         grouped.expert_matmul(x, w, torch.tensor([2, 2]), None, backend="bmm")
     with pytest.raises(ValueError, match="backend must be one of"):
         grouped.set_default_backend("fast")
+    with pytest.raises(ValueError, match="backend 'triton' runs on CUDA tensors, got cpu"):
+        grouped.expert_matmul(x, w, torch.tensor([2, 2]), None, backend="triton")
 
 
 def test_default_backend_override_and_logged_choice(caplog):
