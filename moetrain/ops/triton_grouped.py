@@ -18,13 +18,16 @@ fp32. FP8 operands are float8_e4m3fn with fp32 scales, applied in fp32:
 (X/128 rounds up.) Hopper's FP8 tensor cores read both operands with the reduction dimension
 contiguous: for speed, grouped_mm wants b_EKN.stride(1) == 1 (weights stored [E, N, K]) and
 grouped_mm_wgrad wants a.stride(0) == b.stride(0) == 1 (operands stored transposed, [K, R] and
-[N, R]); other strides are correct but slower. 16-bit operands run at speed in either layout.
+[N, R]); other strides are correct but slower. 16-bit MMAs read either layout.
 fp32 operands use TF32 when torch.backends.cuda.matmul.allow_tf32 is set, IEEE fp32 otherwise.
+On sm90 the row-wise FP8 products accumulate over all of K in the tensor cores (Triton's default
+for FP8 there, like a fast-accumulation cuBLAS GEMM); the block-scaled ones are added to the fp32
+accumulator one BLOCK_K slab at a time, as their scales require.
 
 Scheduling: one program per output tile. grouped_mm's programs cover an upper bound of the row
 tiles (cdiv(R, BLOCK_M) + E, each expert wasting at most one partial tile) times the column tiles;
 each program finds its expert by counting the experts whose cumulative row-tile count it has
-passed (one vector load of ends_E), and programs past the last tile return. grouped_mm_wgrad has
+passed (a vector load of ends_E), and programs past the last tile return. grouped_mm_wgrad has
 one program per (expert, K tile, N tile) looping over that expert's rows in slabs of BLOCK_K rows
 aligned to BLOCK_K (a masked first and last slab, unmasked ones between, so the loads vectorize).
 Programs are ordered in bands of GROUP row tiles so that those running together share tiles in L2.
@@ -43,6 +46,7 @@ Shape letters: R rows, K reduction (input) features, N output features, E expert
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 
@@ -211,32 +215,38 @@ def default_config(dtype: torch.dtype, n: int, rows_per_expert: float) -> dict:
     """Tiles for one GEMM: output tile BLOCK_M x BLOCK_N (grouped_mm: rows x N; wgrad: K x N),
     reduction slab BLOCK_K. Wide column tiles where N allows (fewer re-reads of a), thin row tiles
     when experts own few rows; FP8 reduces over 128 at a time (its scale blocks, and 128 bytes a row)."""
+    if dtype == torch.float32:  # correctness more than speed: CUDA-core FMAs unless TF32 is allowed
+        return dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, num_warps=4, num_stages=3, GROUP=8)
     block_m = 64 if rows_per_expert < 96 else 128
     block_n = 256 if n >= 1024 and block_m == 128 else 128
-    block_k = {FP8: 128, torch.float32: 32}.get(dtype, 64)
-    stages = 3 if block_n == 256 else 4
-    return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=8, num_stages=stages, GROUP=8)
+    stages = 3 if block_n == 256 else 4  # <= 147 KiB of shared memory for the operand tiles
+    return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=128 if dtype == FP8 else 64, num_warps=8, num_stages=stages,
+                GROUP=8)
 
 
 def _config(config: list[int], dtype: torch.dtype, n: int, rows_per_expert: float, block: int) -> dict:
-    chosen = dict(zip(CONFIG_KEYS, config)) if config else default_config(dtype, n, rows_per_expert)
+    """default_config with the entries of a _config_list (-1: not given) put over it."""
+    chosen = default_config(dtype, n, rows_per_expert)
+    chosen.update((key, value) for key, value in zip(CONFIG_KEYS, config) if value >= 0)
     if block and SCALE_BLOCK % chosen["BLOCK_K"]:
         raise ValueError(f"block={block} needs BLOCK_K dividing {SCALE_BLOCK}, got {chosen['BLOCK_K']}")
     return chosen
 
 
 def _config_list(config: dict | None) -> list[int]:
-    """A config dict as the custom ops take it (a list in CONFIG_KEYS order; [] for the default)."""
+    """A config dict as the custom ops take it: a list in CONFIG_KEYS order, -1 where not given."""
     if not config:
         return []
     unknown = set(config) - set(CONFIG_KEYS)
     if unknown:
         raise ValueError(f"unknown config keys {sorted(unknown)}; known: {CONFIG_KEYS}")
-    return [int(config.get(key, default)) for key, default in zip(CONFIG_KEYS, (128, 128, 64, 8, 3, 8))]
+    return [int(config.get(key, -1)) for key in CONFIG_KEYS]
 
 
 def _precision(dtype: torch.dtype) -> str:
-    return "tf32" if dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32 else "ieee"
+    """tl.dot's input precision: IEEE fp32 for fp32 operands unless torch allows TF32 ("tf32", the
+    default, means nothing for other dtypes)."""
+    return "ieee" if dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32 else "tf32"
 
 
 def _check_operands(a: torch.Tensor, b: torch.Tensor, a_scale, b_scale, block: int) -> int:
@@ -253,8 +263,8 @@ def _check_operands(a: torch.Tensor, b: torch.Tensor, a_scale, b_scale, block: i
         return 2 if block else 1
     if a.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise ValueError(f"dtype {a.dtype} not supported (bf16, fp16, fp32 or float8_e4m3fn)")
-    if a_scale is not None or b_scale is not None:
-        raise ValueError("scales go with float8_e4m3fn operands only")
+    if a_scale is not None or b_scale is not None or block:
+        raise ValueError("scales and block go with float8_e4m3fn operands only")
     return 0
 
 
@@ -286,11 +296,11 @@ def _grouped_mm_impl(a_RK: torch.Tensor, b_EKN: torch.Tensor, ends_E: torch.Tens
         sa_strides, sb_strides = _strides(a_scale, 2), _strides(b_scale, 3)
     c_RN = torch.empty(rows, n, dtype=out_dtype, device=a_RK.device)
     cfg = _config(config, a_RK.dtype, n, rows / max(num_experts, 1), block)
-    m_tiles = triton.cdiv(rows, cfg["BLOCK_M"]) + num_experts
-    grid = (m_tiles * triton.cdiv(n, cfg["BLOCK_N"]),)
     if rows == 0 or n == 0 or num_experts == 0:
-        return c_RN.zero_()
-    with torch.cuda.device(a_RK.device) if a_RK.is_cuda else _nothing():
+        return c_RN
+    m_tiles = triton.cdiv(rows, cfg["BLOCK_M"]) + num_experts  # each expert wastes at most one partial tile
+    grid = (m_tiles * triton.cdiv(n, cfg["BLOCK_N"]),)
+    with _on_device(a_RK):
         _grouped_mm_kernel[grid](
             a_RK, b_EKN, c_RN, a_scale if scaling else c_RN, b_scale if scaling else c_RN, ends_E,
             n, k, m_tiles, num_experts, *a_RK.stride(), *b_EKN.stride(), *c_RN.stride(), *sa_strides, *sb_strides,
@@ -317,7 +327,7 @@ def _grouped_mm_wgrad_impl(a_RK: torch.Tensor, b_RN: torch.Tensor, ends_E: torch
     grid = (num_experts * triton.cdiv(k, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"]),)
     if grid[0] == 0:
         return dw_EKN
-    with torch.cuda.device(a_RK.device) if a_RK.is_cuda else _nothing():
+    with _on_device(a_RK):
         _grouped_mm_wgrad_kernel[grid](
             a_RK, b_RN, dw_EKN, a_scale if scaling else dw_EKN, b_scale if scaling else dw_EKN, ends_E, n, k,
             *a_RK.stride(), *b_RN.stride(), *dw_EKN.stride(), *_strides(a_scale, 2), *_strides(b_scale, 2),
@@ -327,12 +337,9 @@ def _grouped_mm_wgrad_impl(a_RK: torch.Tensor, b_RN: torch.Tensor, ends_E: torch
     return dw_EKN
 
 
-class _nothing:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
+def _on_device(t: torch.Tensor):
+    """Launch on t's GPU (Triton launches on the current one); a CPU tensor: the interpreter."""
+    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
 
 
 @torch.library.custom_op("moetrain::grouped_mm", mutates_args=(), device_types="cuda")
@@ -443,7 +450,7 @@ def routed_counts(tokens: int, num_experts: int, top_k: int, seed: int = 0) -> l
     """Rows per expert when every token picks top_k distinct experts, drawn from a mildly skewed
     popularity (a softmax of Gaussian logits), as a trained router's load looks."""
     generator = torch.Generator().manual_seed(seed)
-    popularity = torch.softmax(0.5 * torch.randn(num_experts, generator=generator), 0)
+    popularity = torch.softmax(0.3 * torch.randn(num_experts, generator=generator), 0)
     picks = torch.multinomial(popularity.expand(tokens, num_experts), top_k, generator=generator)
     return torch.bincount(picks.flatten(), minlength=num_experts).tolist()
 
