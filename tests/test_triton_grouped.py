@@ -187,6 +187,30 @@ def test_bad_arguments_are_refused():
         tg.grouped_mm(a, b, ends, config=dict(BLOCK=16))
 
 
+def test_custom_ops_trace_into_one_graph():
+    """torch.export (Dynamo, whole graph) of forward, dgrad and wgrad on fake CUDA tensors: the
+    custom ops and their fake implementations, without a GPU."""
+    pytest.importorskip("triton")
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    class Step(torch.nn.Module):
+        def forward(self, x, w, ends):
+            y = tg.grouped_mm(x, w, ends)
+            dx = tg.grouped_mm(y, w.transpose(1, 2), ends, config=dict(BLOCK_N=64))
+            return dx, tg.grouped_mm_wgrad(x, y, ends)
+
+    with FakeTensorMode():
+        x = torch.empty(160, 64, device="cuda", dtype=torch.bfloat16)
+        w = torch.empty(3, 64, 96, device="cuda", dtype=torch.bfloat16)
+        ends = torch.empty(3, device="cuda", dtype=torch.int32)
+        program = torch.export.export(Step(), (x, w, ends))
+    calls = [node for node in program.graph.nodes if node.op == "call_function"]
+    assert [str(node.target) for node in calls] == ["moetrain.grouped_mm.default", "aten.transpose.int",
+                                                     "moetrain.grouped_mm.default", "moetrain.grouped_mm_wgrad.default"]
+    outputs = [(tuple(node.meta["val"].shape), node.meta["val"].dtype) for node in calls if "moetrain" in str(node.target)]
+    assert outputs == [((160, 96), torch.bfloat16), ((160, 64), torch.bfloat16), ((3, 64, 96), torch.float32)]
+
+
 def test_import_without_triton():
     """The module imports without Triton (the references run; the kernels say what they need)."""
     command = ("import sys; sys.modules['triton'] = None; import torch; from moetrain.ops import triton_grouped as tg; "
