@@ -129,15 +129,23 @@ if triton is not None:
         tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
     @triton.jit
-    def _wgrad_slab(acc, a_ptrs, b_ptrs, a_mask, b_mask, sa_ptrs, sb_ptrs, sa_mask, sb_mask,
-                    SCALING: tl.constexpr, PRECISION: tl.constexpr):
-        """acc + the product of one slab of rows (a^T tile [BLOCK_M, BLOCK_K], b tile [BLOCK_K, BLOCK_N]);
-        SCALING 2: scaled by the slab's 128-row block scales first."""
-        a = tl.load(a_ptrs, mask=a_mask, other=0.0)
-        b = tl.load(b_ptrs, mask=b_mask, other=0.0)
+    def _wgrad_slab(acc, r0, row_ok, a_ptr, b_ptr, a_offsets, b_offsets, sa_ptrs, sb_ptrs, kk_ok, col_ok,
+                    stride_ar, stride_br, stride_sa0, stride_sb0,
+                    MASK_ROWS: tl.constexpr, SCALING: tl.constexpr, PRECISION: tl.constexpr):
+        """acc + the slab of rows [r0, r0 + BLOCK_K): a^T tile [BLOCK_M, BLOCK_K] @ b tile [BLOCK_K, BLOCK_N];
+        MASK_ROWS: only its rows where row_ok. SCALING 2: times the slab's 128-row block scales."""
+        a_ptrs = a_ptr + r0 * stride_ar + a_offsets
+        b_ptrs = b_ptr + r0 * stride_br + b_offsets
+        if MASK_ROWS:
+            a = tl.load(a_ptrs, mask=kk_ok[:, None] & row_ok[None, :], other=0.0)
+            b = tl.load(b_ptrs, mask=row_ok[:, None] & col_ok[None, :], other=0.0)
+        else:  # no mask along the rows: the loads of a row-contiguous operand vectorize
+            a = tl.load(a_ptrs, mask=kk_ok[:, None], other=0.0)
+            b = tl.load(b_ptrs, mask=col_ok[None, :], other=0.0)
         if SCALING == 2:
-            sa = tl.load(sa_ptrs, mask=sa_mask, other=0.0)
-            sb = tl.load(sb_ptrs, mask=sb_mask, other=0.0)
+            block = r0 // 128
+            sa = tl.load(sa_ptrs + block * stride_sa0, mask=kk_ok, other=0.0)
+            sb = tl.load(sb_ptrs + block * stride_sb0, mask=col_ok, other=0.0)
             acc += tl.dot(a, b) * (sa[:, None] * sb[None, :])
         else:
             acc = tl.dot(a, b, acc, input_precision=PRECISION)
@@ -182,24 +190,19 @@ if triton is not None:
         full_from = aligned_start + tl.where(start % BLOCK_K == 0, 0, BLOCK_K)
         if start % BLOCK_K != 0:
             r0 = aligned_start.to(tl.int64)
-            row_ok = (r0 + slab >= start) & (r0 + slab < end)
-            acc = _wgrad_slab(acc, a_ptr + r0 * stride_ar + a_offsets, b_ptr + r0 * stride_br + b_offsets,
-                              kk_ok[:, None] & row_ok[None, :], row_ok[:, None] & col_ok[None, :],
-                              sa_ptrs + r0 // 128 * stride_sa0, sb_ptrs + r0 // 128 * stride_sb0, kk_ok, col_ok,
-                              SCALING, PRECISION)
+            acc = _wgrad_slab(acc, r0, (r0 + slab >= start) & (r0 + slab < end), a_ptr, b_ptr, a_offsets, b_offsets,
+                              sa_ptrs, sb_ptrs, kk_ok, col_ok, stride_ar, stride_br, stride_sa0, stride_sb0,
+                              True, SCALING, PRECISION)
         for i in range(0, (last - full_from) // BLOCK_K):
             r0 = tl.multiple_of(full_from + i * BLOCK_K, BLOCK_K).to(tl.int64)
-            acc = _wgrad_slab(acc, a_ptr + r0 * stride_ar + a_offsets, b_ptr + r0 * stride_br + b_offsets,
-                              kk_ok[:, None], col_ok[None, :],
-                              sa_ptrs + r0 // 128 * stride_sa0, sb_ptrs + r0 // 128 * stride_sb0, kk_ok, col_ok,
-                              SCALING, PRECISION)
+            acc = _wgrad_slab(acc, r0, slab >= 0, a_ptr, b_ptr, a_offsets, b_offsets,
+                              sa_ptrs, sb_ptrs, kk_ok, col_ok, stride_ar, stride_br, stride_sa0, stride_sb0,
+                              False, SCALING, PRECISION)
         if (end % BLOCK_K != 0) & (last >= full_from):
             r0 = last.to(tl.int64)
-            row_ok = r0 + slab < end
-            acc = _wgrad_slab(acc, a_ptr + r0 * stride_ar + a_offsets, b_ptr + r0 * stride_br + b_offsets,
-                              kk_ok[:, None] & row_ok[None, :], row_ok[:, None] & col_ok[None, :],
-                              sa_ptrs + r0 // 128 * stride_sa0, sb_ptrs + r0 // 128 * stride_sb0, kk_ok, col_ok,
-                              SCALING, PRECISION)
+            acc = _wgrad_slab(acc, r0, r0 + slab < end, a_ptr, b_ptr, a_offsets, b_offsets,
+                              sa_ptrs, sb_ptrs, kk_ok, col_ok, stride_ar, stride_br, stride_sa0, stride_sb0,
+                              True, SCALING, PRECISION)
         if SCALING == 1:
             sa = tl.load(sa_ptrs + e * stride_sa0, mask=kk_ok, other=0.0)
             sb = tl.load(sb_ptrs + e * stride_sb0, mask=col_ok, other=0.0)
