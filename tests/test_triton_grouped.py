@@ -133,37 +133,45 @@ def test_kernels_in_the_interpreter():
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CUDA tests compile the kernels there")
-def test_kernels_compile_for_hopper():
-    """Compiled for sm_90 by Triton on this CPU (aligned operands, as the launches specialise them):
-    warp-group MMAs in every tensor-core variant, pipelined asynchronous copies in the K loops."""
+def test_kernels_compile_for_hopper(tmp_path):
+    """Compiled for sm_90 by Triton on this CPU at the default tiles of a large GEMM, with aligned
+    operands in FP8's fast layout (as the launches specialise them): warp-group MMAs (on E4M3 for
+    FP8), pipelined asynchronous copies in the reduction loops, and (ptxas -v) no register spills."""
     triton = pytest.importorskip("triton")
     pytest.importorskip("triton.backends.nvidia")
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    def ptx(fn, types: dict, constants: dict, **options) -> str:
-        attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name in types}
+    ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+    pointers = {"a_ptr": "", "b_ptr": "", "c_ptr": "*bf16", "sa_ptr": "*fp32", "sb_ptr": "*fp32", "ends_ptr": "*i32"}
+    ints = {"mm": "N K M_TILES E stride_am stride_be stride_bn stride_cm stride_sam stride_sak stride_sbe stride_sbk "
+                  "stride_sbn", "wgrad": "R N K stride_ak stride_bn stride_ce stride_ck stride_sa0 stride_sb0"}
+    unit_strides = {"mm": ("stride_ak", "stride_bk", "stride_cn"),
+                    "wgrad": ("stride_ar", "stride_br", "stride_cn", "stride_sak", "stride_sbn")}
+    for kind, dtype, scaling in (("mm", torch.bfloat16, 0), ("mm", tg.FP8, 1), ("mm", tg.FP8, 2), ("wgrad", torch.bfloat16, 0),
+                                 ("wgrad", tg.FP8, 1), ("wgrad", tg.FP8, 2)):
+        fn = tg._grouped_mm_kernel if kind == "mm" else tg._grouped_mm_wgrad_kernel
+        config = tg.default_config(dtype, 4096, 1024, 128 if scaling == 2 else 0)
+        element = "*bf16" if dtype == torch.bfloat16 else "*fp8e4nv"
+        types = {**pointers, "a_ptr": element, "b_ptr": element, **dict.fromkeys(ints[kind].split(), "i32")}
+        constants = dict.fromkeys(unit_strides[kind], 1)
+        constants.update(SCALING=scaling, PRECISION="tf32", GROUP=config["GROUP"],
+                         **{key: config[key] for key in ("BLOCK_M", "BLOCK_N", "BLOCK_K")})
+        if kind == "mm":
+            constants.update(E_P2=128, EVEN_K=True)
         source = ASTSource(fn=fn, signature={**types, **dict.fromkeys(constants, "constexpr")}, constexprs=constants,
-                           attrs=attrs)
-        return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options).asm["ptx"]
-
-    pointers = lambda dtype, out: {"a_ptr": dtype, "b_ptr": dtype, "c_ptr": out, "sa_ptr": "*fp32", "sb_ptr": "*fp32",
-                                   "ends_ptr": "*i32"}
-    ints = lambda names: dict.fromkeys(names.split(), "i32")
-    for dtype, scaling in (("*bf16", 0), ("*fp8e4nv", 1), ("*fp8e4nv", 2)):
-        block_k = 64 if scaling == 0 else 128
-        code = ptx(tg._grouped_mm_kernel,
-                   {**pointers(dtype, "*bf16"), **ints("N K M_TILES E stride_am stride_be stride_bn stride_cm stride_sam "
-                                                       "stride_sak stride_sbe stride_sbk stride_sbn")},
-                   dict(stride_ak=1, stride_bk=1, stride_cn=1, SCALING=scaling, PRECISION="ieee", E_P2=128, BLOCK_M=128,
-                        BLOCK_N=256, BLOCK_K=block_k, GROUP=8, EVEN_K=True), num_warps=8, num_stages=3)
-        assert "wgmma.mma_async" in code and "cp.async.cg.shared.global" in code, (dtype, scaling)
-        assert ("e4m3" in code) == (scaling > 0)
-    code = ptx(tg._grouped_mm_wgrad_kernel,
-               {**pointers("*fp8e4nv", "*fp32"), **ints("N K stride_ak stride_bn stride_ce stride_ck stride_sa0 stride_sb0")},
-               dict(stride_ar=1, stride_br=1, stride_cn=1, stride_sak=1, stride_sbn=1, SCALING=2, PRECISION="ieee",
-                    BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, GROUP=8), num_warps=8, num_stages=3)
-    assert "wgmma.mma_async" in code and "cp.async.cg.shared.global" in code
+                           attrs={(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name in types})
+        ptx = triton.compile(source, target=GPUTarget("cuda", 90, 32),
+                             options=dict(num_warps=config["num_warps"], num_stages=config["num_stages"])).asm["ptx"]
+        what = (kind, dtype, scaling)
+        assert "wgmma.mma_async" in ptx and "cp.async.cg.shared.global" in ptx, what
+        assert ("e4m3" in ptx) == (dtype == tg.FP8), what
+        if ptxas.exists():
+            path = tmp_path / "kernel.ptx"
+            path.write_text(ptx)
+            report = subprocess.run([str(ptxas), "-arch=sm_90a", "-v", str(path), "-o", os.devnull], capture_output=True,
+                                    text=True).stderr
+            assert re.search(r"\b0 bytes spill stores", report), (what, report)
 
 
 def test_bad_arguments_are_refused():

@@ -129,16 +129,21 @@ if triton is not None:
         tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
     @triton.jit
-    def _wgrad_slab(acc, r0, row_ok, a_ptr, b_ptr, a_offsets, b_offsets, sa_ptrs, sb_ptrs, kk_ok, col_ok,
-                    stride_ar, stride_br, stride_sa0, stride_sb0,
+    def _wgrad_slab(acc, r0, row_ok, R, a_ptr, b_ptr, a_offsets, b_offsets, sa_ptrs, sb_ptrs, kk_ok, col_ok,
+                    stride_ar, stride_br, stride_sa0, stride_sb0, BLOCK_K: tl.constexpr,
                     MASK_ROWS: tl.constexpr, SCALING: tl.constexpr, PRECISION: tl.constexpr):
         """acc + the slab of rows [r0, r0 + BLOCK_K): a^T tile [BLOCK_M, BLOCK_K] @ b tile [BLOCK_K, BLOCK_N];
         MASK_ROWS: only its rows where row_ok. SCALING 2: times the slab's 128-row block scales."""
         a_ptrs = a_ptr + r0 * stride_ar + a_offsets
         b_ptrs = b_ptr + r0 * stride_br + b_offsets
         if MASK_ROWS:
-            a = tl.load(a_ptrs, mask=kk_ok[:, None] & row_ok[None, :], other=0.0)
-            b = tl.load(b_ptrs, mask=row_ok[:, None] & col_ok[None, :], other=0.0)
+            # Loaded up to R only (a mask that vectorizes when 16 divides R), then the rows of other
+            # experts replaced by zeros: a per-row mask in the load would load byte by byte.
+            in_range = r0 + tl.arange(0, BLOCK_K) < R
+            a = tl.load(a_ptrs, mask=kk_ok[:, None] & in_range[None, :], other=0.0)
+            b = tl.load(b_ptrs, mask=in_range[:, None] & col_ok[None, :], other=0.0)
+            a = tl.where(row_ok[None, :], a, 0.0)
+            b = tl.where(row_ok[:, None], b, 0.0)
         else:  # no mask along the rows: the loads of a row-contiguous operand vectorize
             a = tl.load(a_ptrs, mask=kk_ok[:, None], other=0.0)
             b = tl.load(b_ptrs, mask=col_ok[None, :], other=0.0)
@@ -153,7 +158,7 @@ if triton is not None:
 
     @triton.jit
     def _grouped_mm_wgrad_kernel(
-        a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, ends_ptr, N, K,
+        a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, ends_ptr, R, N, K,
         stride_ar, stride_ak, stride_br, stride_bn, stride_ce, stride_ck, stride_cn,
         stride_sa0, stride_sak, stride_sb0, stride_sbn,
         SCALING: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -189,20 +194,20 @@ if triton is not None:
         last = end // BLOCK_K * BLOCK_K  # the partial last slab's first row, where end % BLOCK_K
         full_from = aligned_start + tl.where(start % BLOCK_K == 0, 0, BLOCK_K)
         if start % BLOCK_K != 0:
-            r0 = aligned_start.to(tl.int64)
-            acc = _wgrad_slab(acc, r0, (r0 + slab >= start) & (r0 + slab < end), a_ptr, b_ptr, a_offsets, b_offsets,
+            r0 = tl.multiple_of(aligned_start, BLOCK_K).to(tl.int64)
+            acc = _wgrad_slab(acc, r0, (r0 + slab >= start) & (r0 + slab < end), R, a_ptr, b_ptr, a_offsets, b_offsets,
                               sa_ptrs, sb_ptrs, kk_ok, col_ok, stride_ar, stride_br, stride_sa0, stride_sb0,
-                              True, SCALING, PRECISION)
+                              BLOCK_K, True, SCALING, PRECISION)
         for i in range(0, (last - full_from) // BLOCK_K):
             r0 = tl.multiple_of(full_from + i * BLOCK_K, BLOCK_K).to(tl.int64)
-            acc = _wgrad_slab(acc, r0, slab >= 0, a_ptr, b_ptr, a_offsets, b_offsets,
+            acc = _wgrad_slab(acc, r0, slab >= 0, R, a_ptr, b_ptr, a_offsets, b_offsets,
                               sa_ptrs, sb_ptrs, kk_ok, col_ok, stride_ar, stride_br, stride_sa0, stride_sb0,
-                              False, SCALING, PRECISION)
+                              BLOCK_K, False, SCALING, PRECISION)
         if (end % BLOCK_K != 0) & (last >= full_from):
-            r0 = last.to(tl.int64)
-            acc = _wgrad_slab(acc, r0, r0 + slab < end, a_ptr, b_ptr, a_offsets, b_offsets,
+            r0 = tl.multiple_of(last, BLOCK_K).to(tl.int64)
+            acc = _wgrad_slab(acc, r0, r0 + slab < end, R, a_ptr, b_ptr, a_offsets, b_offsets,
                               sa_ptrs, sb_ptrs, kk_ok, col_ok, stride_ar, stride_br, stride_sa0, stride_sb0,
-                              True, SCALING, PRECISION)
+                              BLOCK_K, True, SCALING, PRECISION)
         if SCALING == 1:
             sa = tl.load(sa_ptrs + e * stride_sa0, mask=kk_ok, other=0.0)
             sb = tl.load(sb_ptrs + e * stride_sb0, mask=col_ok, other=0.0)
@@ -214,14 +219,16 @@ if triton is not None:
 # ---------------------------------------------------------------- configs and launches
 
 
-def default_config(dtype: torch.dtype, n: int, rows_per_expert: float) -> dict:
+def default_config(dtype: torch.dtype, n: int, rows_per_expert: float, block: int = 0) -> dict:
     """Tiles for one GEMM: output tile BLOCK_M x BLOCK_N (grouped_mm: rows x N; wgrad: K x N),
     reduction slab BLOCK_K. Wide column tiles where N allows (fewer re-reads of a), thin row tiles
-    when experts own few rows; FP8 reduces over 128 at a time (its scale blocks, and 128 bytes a row)."""
+    when experts own few rows; FP8 reduces over 128 at a time (its scale blocks, and 128 bytes a row).
+    Block-scaled FP8 holds a second [BLOCK_M, BLOCK_N] fp32 tile (each slab's product before it is
+    scaled): 128 x 256 would spill registers there (ptxas, sm_90a), so its column tiles stay at 128."""
     if dtype == torch.float32:  # correctness more than speed: CUDA-core FMAs unless TF32 is allowed
         return dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, num_warps=4, num_stages=3, GROUP=8)
     block_m = 64 if rows_per_expert < 96 else 128
-    block_n = 256 if n >= 1024 and block_m == 128 else 128
+    block_n = 256 if n >= 1024 and block_m == 128 and not block else 128
     stages = 3 if block_n == 256 else 4  # <= 147 KiB of shared memory for the operand tiles
     return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=128 if dtype == FP8 else 64, num_warps=8, num_stages=stages,
                 GROUP=8)
@@ -229,7 +236,7 @@ def default_config(dtype: torch.dtype, n: int, rows_per_expert: float) -> dict:
 
 def _config(config: list[int], dtype: torch.dtype, n: int, rows_per_expert: float, block: int) -> dict:
     """default_config with the entries of a _config_list (-1: not given) put over it."""
-    chosen = default_config(dtype, n, rows_per_expert)
+    chosen = default_config(dtype, n, rows_per_expert, block)
     chosen.update((key, value) for key, value in zip(CONFIG_KEYS, config) if value >= 0)
     if block and SCALE_BLOCK % chosen["BLOCK_K"]:
         raise ValueError(f"block={block} needs BLOCK_K dividing {SCALE_BLOCK}, got {chosen['BLOCK_K']}")
@@ -332,7 +339,7 @@ def _grouped_mm_wgrad_impl(a_RK: torch.Tensor, b_RN: torch.Tensor, ends_E: torch
         return dw_EKN
     with _on_device(a_RK):
         _grouped_mm_wgrad_kernel[grid](
-            a_RK, b_RN, dw_EKN, a_scale if scaling else dw_EKN, b_scale if scaling else dw_EKN, ends_E, n, k,
+            a_RK, b_RN, dw_EKN, a_scale if scaling else dw_EKN, b_scale if scaling else dw_EKN, ends_E, rows, n, k,
             *a_RK.stride(), *b_RN.stride(), *dw_EKN.stride(), *_strides(a_scale, 2), *_strides(b_scale, 2),
             SCALING=scaling, PRECISION=_precision(a_RK.dtype), BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
             BLOCK_K=cfg["BLOCK_K"], GROUP=cfg["GROUP"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
@@ -512,9 +519,9 @@ def _relative_error(kind: str, c: torch.Tensor, a, b, ends_E, a_scale=None, b_sc
     return error / peak if peak else error
 
 
-def _configs(dtype: torch.dtype, n: int, rows_per_expert: float, sweep: bool) -> list[dict]:
+def _configs(dtype: torch.dtype, n: int, rows_per_expert: float, block: int, sweep: bool) -> list[dict]:
     """Our tiles to time: the default, and with sweep the SWEEP variants of it."""
-    default = default_config(dtype, n, rows_per_expert)
+    default = default_config(dtype, n, rows_per_expert, block)
     tried = [dict(default, BLOCK_M=m, BLOCK_N=nn, num_warps=w, num_stages=s) for m, nn, w, s in SWEEP] if sweep else []
     return [default] + [config for config in tried if config != default]
 
@@ -566,7 +573,8 @@ def _bench_gemm(shape: str, gemm: str, counts: list[int], k: int, n: int, seed: 
 
     def record(pass_name: str, variant: str, call, operands: tuple, dtype=None) -> None:
         """dtype: ours (its configs, out features n for fwd/wgrad, k for dgrad); None: torch's."""
-        configs = [None] if dtype is None else _configs(dtype, k if pass_name == "dgrad" else n, rows / num_experts, sweep)
+        out_features, block = k if pass_name == "dgrad" else n, operands[5] if len(operands) > 5 else 0
+        configs = [None] if dtype is None else _configs(dtype, out_features, rows / num_experts, block, sweep)
         kind = "wgrad" if pass_name == "wgrad" else "mm"
         result = dict(shape=shape, gemm=gemm, rows=rows, k=k, n=n, **{"pass": pass_name})
         result.update(_measure(variant, kind, call, operands, flops, configs, device))
