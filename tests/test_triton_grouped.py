@@ -21,8 +21,8 @@ import torch
 from moetrain.ops import triton_grouped as tg
 
 ROOT = Path(__file__).resolve().parents[1]
-SM90 = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0),
-                                             reason="no sm90 GPU")]
+SM90 = [pytest.mark.cuda, pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0), reason="no sm90 GPU")]
 # Small tiles for the interpreter: several row, column and K tiles on small operands.
 TINY = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, num_warps=4, num_stages=2, GROUP=2)
 
@@ -113,7 +113,8 @@ def interpreter_checks() -> None:
     for counts in ([5, 0, 95, 28, 172], [3], [0, 0], [128, 64]):
         for scaling in ("none", "row", "block"):
             dtype = torch.float32 if scaling == "none" else tg.FP8
-            for layout in ("plain", "reduction") if len(counts) == 5 else ("reduction" if counts == [128, 64] else "plain",):
+            layouts = ("plain", "reduction") if len(counts) == 5 else ("reduction" if counts == [128, 64] else "plain",)
+            for layout in layouts:
                 check("wgrad", dtype, scaling, counts, 40, 24, layout=layout, config=dict(TINY, BLOCK_K=32))
     # bf16 outputs; the default tiles; BLOCK_K = 128 for the block scales.
     check("mm", tg.FP8, "block", [30, 90], 256, 48, out_dtype=torch.bfloat16,
@@ -148,8 +149,8 @@ def test_kernels_compile_for_hopper(tmp_path):
                   "stride_sbn", "wgrad": "R N K stride_ak stride_bn stride_ce stride_ck stride_sa0 stride_sb0"}
     unit_strides = {"mm": ("stride_ak", "stride_bk", "stride_cn"),
                     "wgrad": ("stride_ar", "stride_br", "stride_cn", "stride_sak", "stride_sbn")}
-    for kind, dtype, scaling in (("mm", torch.bfloat16, 0), ("mm", tg.FP8, 1), ("mm", tg.FP8, 2), ("wgrad", torch.bfloat16, 0),
-                                 ("wgrad", tg.FP8, 1), ("wgrad", tg.FP8, 2)):
+    for kind, dtype, scaling in (("mm", torch.bfloat16, 0), ("mm", tg.FP8, 1), ("mm", tg.FP8, 2),
+                                 ("wgrad", torch.bfloat16, 0), ("wgrad", tg.FP8, 1), ("wgrad", tg.FP8, 2)):
         fn = tg._grouped_mm_kernel if kind == "mm" else tg._grouped_mm_wgrad_kernel
         config = tg.default_config(dtype, 4096, 1024, 128 if scaling == 2 else 0)
         element = "*bf16" if dtype == torch.bfloat16 else "*fp8e4nv"
@@ -169,8 +170,8 @@ def test_kernels_compile_for_hopper(tmp_path):
         if ptxas.exists():
             path = tmp_path / "kernel.ptx"
             path.write_text(ptx)
-            report = subprocess.run([str(ptxas), "-arch=sm_90a", "-v", str(path), "-o", os.devnull], capture_output=True,
-                                    text=True).stderr
+            report = subprocess.run([str(ptxas), "-arch=sm_90a", "-v", str(path), "-o", os.devnull],
+                                    capture_output=True, text=True).stderr
             assert re.search(r"\b0 bytes spill stores", report), (what, report)
 
 
@@ -215,7 +216,8 @@ def test_custom_ops_trace_into_one_graph():
     calls = [node for node in program.graph.nodes if node.op == "call_function"]
     assert [str(node.target) for node in calls] == ["moetrain.grouped_mm.default", "aten.transpose.int",
                                                      "moetrain.grouped_mm.default", "moetrain.grouped_mm_wgrad.default"]
-    outputs = [(tuple(node.meta["val"].shape), node.meta["val"].dtype) for node in calls if "moetrain" in str(node.target)]
+    outputs = [(tuple(node.meta["val"].shape), node.meta["val"].dtype) for node in calls
+               if "moetrain" in str(node.target)]
     assert outputs == [((160, 96), torch.bfloat16), ((160, 64), torch.bfloat16), ((3, 64, 96), torch.float32)]
 
 
@@ -241,8 +243,8 @@ def test_benchmark_refuses_a_cpu():
 # ---------------------------------------------------------------- CUDA
 
 # The LM shapes (tokens x top-k rows, D, H, E) scaled down: gate-up (K=D, N=2H) and down (K=H, N=D).
-SHAPES = {"moe_1b5": (2048 * 2, 512, 512, 8), "qwen3_30b": (1024 * 8, 512, 192, 32), "mixtral": (512 * 2, 1024, 1792, 8),
-          "dsv3": (512 * 8, 896, 256, 64)}
+SHAPES = {"moe_1b5": (2048 * 2, 512, 512, 8), "qwen3_30b": (1024 * 8, 512, 192, 32),
+          "mixtral": (512 * 2, 1024, 1792, 8), "dsv3": (512 * 8, 896, 256, 64)}
 
 
 def _random_counts(rows: int, num_experts: int, seed: int) -> list[int]:

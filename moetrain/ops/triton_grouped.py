@@ -288,7 +288,8 @@ def _strides(t: torch.Tensor | None, dims: int) -> tuple[int, ...]:
 
 
 def _grouped_mm_impl(a_RK: torch.Tensor, b_EKN: torch.Tensor, ends_E: torch.Tensor, a_scale: torch.Tensor | None,
-                     b_scale: torch.Tensor | None, block: int, out_dtype: torch.dtype, config: list[int]) -> torch.Tensor:
+                     b_scale: torch.Tensor | None, block: int, out_dtype: torch.dtype,
+                     config: list[int]) -> torch.Tensor:
     rows, k = a_RK.shape
     num_experts, _, n = b_EKN.shape
     _expect("b_EKN", b_EKN, (num_experts, k, n))
@@ -662,8 +663,8 @@ def main(argv: list[str] | None = None) -> int:
               f"({'no GPU visible' if not torch.cuda.is_available() else 'Triton missing'})")
         return 2
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}; "
-          "TFLOP/s = 2 R K N / time (median of 20); rel_error = max |c - ref| / max |ref|, ref in fp32 on the "
-          "dequantized operands")
+          "w [E, k, n]: fwd x @ w, dgrad dy @ w^T, wgrad x^T dy; TFLOP/s = 2 rows k n / time (median of 20); "
+          "rel_error = max |c - ref| / max |ref|, ref in fp32 on the dequantized operands")
     print(_row_text({key: key for key, _ in _COLUMNS}))
     results = []
     for shape in args.shapes:
