@@ -1,0 +1,684 @@
+"""Triton grouped GEMMs for the packed (dropless) expert layout, in bf16/fp16/fp32 and in FP8.
+
+Rows of expert e are the contiguous range [ends[e-1], ends[e]) of the row dimension (ends_E int32
+on the device, cumulative, ends[-1] == R; an expert may own no rows). Nothing waits for the host.
+
+  grouped_mm        c[r] = a[r] @ b[e(r)]                         forward and dgrad: c_RN = a_RK b_EKN
+  grouped_mm_wgrad  dw[e] = sum over e's rows r of a[r]^T b[r]    wgrad: dw_EKN = a_RK^T b_RN per expert
+
+Operands may be any strided views (dgrad passes w.transpose(1, 2), wgrad x_KR.t()). Accumulation is
+fp32. FP8 operands are float8_e4m3fn with fp32 scales, applied in fp32:
+
+  GEMM              block=0 (row-wise, in the epilogue)        block=128 (DeepSeek-V3, per K slab)
+  grouped_mm        a_scale [R], b_scale [E, N]                a_scale [R, K/128] (1x128 tiles),
+                                                               b_scale [E, K/128, N/128] (128x128)
+  grouped_mm_wgrad  a_scale [E, K], b_scale [E, N]             a_scale [R/128, K], b_scale [R/128, N]
+                    (per expert and column)                    (per column and global 128-row block)
+
+(X/128 rounds up.) Hopper's FP8 tensor cores read both operands with the reduction dimension
+contiguous: for speed, grouped_mm wants b_EKN.stride(1) == 1 (weights stored [E, N, K]) and
+grouped_mm_wgrad wants a.stride(0) == b.stride(0) == 1 (operands stored transposed, [K, R] and
+[N, R]); other strides are correct but slower. 16-bit MMAs read either layout.
+fp32 operands use TF32 when torch.backends.cuda.matmul.allow_tf32 is set, IEEE fp32 otherwise.
+On sm90 the row-wise FP8 products accumulate over all of K in the tensor cores (Triton's default
+for FP8 there, like a fast-accumulation cuBLAS GEMM); the block-scaled ones are added to the fp32
+accumulator one BLOCK_K slab at a time, as their scales require.
+
+Scheduling: one program per output tile. grouped_mm's programs cover an upper bound of the row
+tiles (cdiv(R, BLOCK_M) + E, each expert wasting at most one partial tile) times the column tiles;
+each program finds its expert by counting the experts whose cumulative row-tile count it has
+passed (a vector load of ends_E), and programs past the last tile return. grouped_mm_wgrad has
+one program per (expert, K tile, N tile) looping over that expert's rows in slabs of BLOCK_K rows
+aligned to BLOCK_K (a masked first and last slab, unmasked ones between, so the loads vectorize).
+Programs are ordered in bands of GROUP row tiles so that those running together share tiles in L2.
+
+CUDA tensors go through the custom ops moetrain::grouped_mm and moetrain::grouped_mm_wgrad (one
+graph under torch.compile(fullgraph=True)); CPU tensors launch the kernels directly, which runs
+only under Triton's interpreter (the tests). grouped_mm_reference and grouped_mm_wgrad_reference
+are the pure-torch definitions (fp32, dequantized operands, a loop over experts).
+
+`python -m moetrain.ops.triton_grouped [--shapes ...] [--sweep] [--json FILE]` benchmarks the
+expert GEMMs of a few LM shapes against torch._grouped_mm and torch._scaled_grouped_mm (a GPU).
+
+Shape letters: R rows, K reduction (input) features, N output features, E experts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import sys
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # the kernels need Triton; the references and the benchmark's help do not
+    triton = None
+
+FP8 = torch.float8_e4m3fn
+SCALE_BLOCK = 128  # block=128: the K (grouped_mm) or row (wgrad) extent of one scale
+CONFIG_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages", "GROUP")
+
+
+if triton is not None:
+
+    @triton.jit
+    def _grouped_mm_kernel(
+        a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, ends_ptr, N, K, M_TILES, E,
+        stride_am, stride_ak, stride_be, stride_bk, stride_bn, stride_cm, stride_cn,
+        stride_sam, stride_sak, stride_sbe, stride_sbk, stride_sbn,
+        SCALING: tl.constexpr, PRECISION: tl.constexpr, E_P2: tl.constexpr, BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr, EVEN_K: tl.constexpr,
+    ):
+        """c[r] = a[r] @ b[e(r)] for one BLOCK_M x BLOCK_N tile. SCALING: 0 none, 1 per row of a and
+        column of b (epilogue), 2 per 128-wide K slab (1x128 of a, 128x128 of b, in the K loop)."""
+        pid = tl.program_id(0)
+        n_tiles = tl.cdiv(N, BLOCK_N)
+        band_size = GROUP * n_tiles
+        first = pid // band_size * GROUP
+        band_rows = min(M_TILES - first, GROUP)
+        tile_m = first + (pid % band_size) % band_rows
+        tile_n = (pid % band_size) // band_rows
+        # Expert of row tile tile_m: the number of experts whose cumulative tile count is <= tile_m.
+        experts = tl.arange(0, E_P2)
+        ends = tl.load(ends_ptr + experts, mask=experts < E, other=0)
+        starts = tl.load(ends_ptr + experts - 1, mask=(experts > 0) & (experts < E), other=0)
+        tiles = tl.cdiv(ends - starts, BLOCK_M)  # 0 past the last expert
+        tile_ends = tl.cumsum(tiles, 0)
+        e = tl.sum((tile_ends <= tile_m).to(tl.int32))
+        if e >= E:
+            return  # past the last row tile: the grid covers the worst case
+        mine = experts == e
+        start = tl.sum(tl.where(mine, starts, 0))
+        end = tl.sum(tl.where(mine, ends, 0))
+        first_tile = tl.sum(tl.where(mine, tile_ends - tiles, 0))
+        rows = start + (tile_m - first_tile) * BLOCK_M + tl.arange(0, BLOCK_M)
+        cols = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        row_ok, col_ok = rows < end, cols < N
+        rows64, e64 = rows.to(tl.int64), e.to(tl.int64)
+        ks = tl.arange(0, BLOCK_K)
+        a_ptrs = a_ptr + rows64[:, None] * stride_am + ks[None, :] * stride_ak
+        b_ptrs = b_ptr + e64 * stride_be + ks[:, None] * stride_bk + cols.to(tl.int64)[None, :] * stride_bn
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            if EVEN_K:  # no mask along K: it would stop the loads of a K-contiguous operand vectorizing
+                a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
+                b = tl.load(b_ptrs, mask=col_ok[None, :], other=0.0)
+            else:
+                k_ok = k0 + ks < K
+                a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+                b = tl.load(b_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+            if SCALING == 2:
+                slab = k0 // 128
+                sa = tl.load(sa_ptr + rows64 * stride_sam + slab * stride_sak, mask=row_ok, other=0.0)
+                sb = tl.load(sb_ptr + e64 * stride_sbe + slab * stride_sbk + (cols // 128) * stride_sbn,
+                             mask=col_ok, other=0.0)
+                acc += tl.dot(a, b) * (sa[:, None] * sb[None, :])
+            else:
+                acc = tl.dot(a, b, acc, input_precision=PRECISION)
+            a_ptrs += BLOCK_K * stride_ak
+            b_ptrs += BLOCK_K * stride_bk
+        if SCALING == 1:
+            sa = tl.load(sa_ptr + rows64 * stride_sam, mask=row_ok, other=0.0)
+            sb = tl.load(sb_ptr + e64 * stride_sbe + cols * stride_sbn, mask=col_ok, other=0.0)
+            acc = acc * sa[:, None] * sb[None, :]
+        c_ptrs = c_ptr + rows64[:, None] * stride_cm + cols[None, :] * stride_cn
+        tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+
+    @triton.jit
+    def _wgrad_slab(acc, r0, row_ok, R, a_ptr, b_ptr, a_offsets, b_offsets, sa_ptrs, sb_ptrs, kk_ok, col_ok,
+                    stride_ar, stride_br, stride_sa0, stride_sb0, BLOCK_K: tl.constexpr,
+                    MASK_ROWS: tl.constexpr, SCALING: tl.constexpr, PRECISION: tl.constexpr):
+        """acc + the slab of rows [r0, r0 + BLOCK_K): a^T tile [BLOCK_M, BLOCK_K] @ b tile [BLOCK_K, BLOCK_N];
+        MASK_ROWS: only its rows where row_ok. SCALING 2: times the slab's 128-row block scales."""
+        a_ptrs = a_ptr + r0 * stride_ar + a_offsets
+        b_ptrs = b_ptr + r0 * stride_br + b_offsets
+        if MASK_ROWS:
+            # Loaded up to R only (a mask that vectorizes when 16 divides R), then the rows of other
+            # experts replaced by zeros: a per-row mask in the load would load byte by byte.
+            in_range = r0 + tl.arange(0, BLOCK_K) < R
+            a = tl.load(a_ptrs, mask=kk_ok[:, None] & in_range[None, :], other=0.0)
+            b = tl.load(b_ptrs, mask=in_range[:, None] & col_ok[None, :], other=0.0)
+            a = tl.where(row_ok[None, :], a, 0.0)
+            b = tl.where(row_ok[:, None], b, 0.0)
+        else:  # no mask along the rows: the loads of a row-contiguous operand vectorize
+            a = tl.load(a_ptrs, mask=kk_ok[:, None], other=0.0)
+            b = tl.load(b_ptrs, mask=col_ok[None, :], other=0.0)
+        if SCALING == 2:
+            block = r0 // 128
+            sa = tl.load(sa_ptrs + block * stride_sa0, mask=kk_ok, other=0.0)
+            sb = tl.load(sb_ptrs + block * stride_sb0, mask=col_ok, other=0.0)
+            acc += tl.dot(a, b) * (sa[:, None] * sb[None, :])
+        else:
+            acc = tl.dot(a, b, acc, input_precision=PRECISION)
+        return acc
+
+    @triton.jit
+    def _grouped_mm_wgrad_kernel(
+        a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, ends_ptr, R, N, K,
+        stride_ar, stride_ak, stride_br, stride_bn, stride_ce, stride_ck, stride_cn,
+        stride_sa0, stride_sak, stride_sb0, stride_sbn,
+        SCALING: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr, GROUP: tl.constexpr,
+    ):
+        """dw[e] tile (K tile, N tile) = sum over e's rows of a[r]^T b[r]. BLOCK_M tiles K, BLOCK_N
+        tiles N, BLOCK_K is the slab of rows. Scale index 0 of sa/sb: the expert (SCALING 1) or the
+        global 128-row block (SCALING 2)."""
+        pid = tl.program_id(0)
+        k_tiles, n_tiles = tl.cdiv(K, BLOCK_M), tl.cdiv(N, BLOCK_N)
+        e = pid // (k_tiles * n_tiles)
+        t = pid % (k_tiles * n_tiles)
+        band_size = GROUP * n_tiles
+        first = t // band_size * GROUP
+        band_rows = min(k_tiles - first, GROUP)
+        tile_k = first + (t % band_size) % band_rows
+        tile_n = (t % band_size) // band_rows
+        start = tl.load(ends_ptr + e - 1, mask=e > 0, other=0)
+        end = tl.load(ends_ptr + e)
+        kk = tile_k * BLOCK_M + tl.arange(0, BLOCK_M)
+        cols = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        kk_ok, col_ok = kk < K, cols < N
+        slab = tl.arange(0, BLOCK_K)
+        a_offsets = kk.to(tl.int64)[:, None] * stride_ak + slab[None, :] * stride_ar  # + r0 * stride_ar
+        b_offsets = slab[:, None] * stride_br + cols.to(tl.int64)[None, :] * stride_bn  # + r0 * stride_br
+        sa_ptrs = sa_ptr + kk * stride_sak  # + block * stride_sa0
+        sb_ptrs = sb_ptr + cols * stride_sbn
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        # Slabs [r0, r0 + BLOCK_K) with r0 a multiple of BLOCK_K: the first and last (partial) ones
+        # masked by row, the full ones between unmasked. BLOCK_K divides 128, so a slab lies in one
+        # 128-row scale block.
+        aligned_start = start // BLOCK_K * BLOCK_K
+        last = end // BLOCK_K * BLOCK_K  # the partial last slab's first row, where end % BLOCK_K
+        full_from = aligned_start + tl.where(start % BLOCK_K == 0, 0, BLOCK_K)
+        if start % BLOCK_K != 0:
+            r0 = tl.multiple_of(aligned_start, BLOCK_K).to(tl.int64)
+            acc = _wgrad_slab(acc, r0, (r0 + slab >= start) & (r0 + slab < end), R, a_ptr, b_ptr, a_offsets, b_offsets,
+                              sa_ptrs, sb_ptrs, kk_ok, col_ok, stride_ar, stride_br, stride_sa0, stride_sb0,
+                              BLOCK_K, True, SCALING, PRECISION)
+        for i in range(0, (last - full_from) // BLOCK_K):
+            r0 = tl.multiple_of(full_from + i * BLOCK_K, BLOCK_K).to(tl.int64)
+            acc = _wgrad_slab(acc, r0, slab >= 0, R, a_ptr, b_ptr, a_offsets, b_offsets,
+                              sa_ptrs, sb_ptrs, kk_ok, col_ok, stride_ar, stride_br, stride_sa0, stride_sb0,
+                              BLOCK_K, False, SCALING, PRECISION)
+        if (end % BLOCK_K != 0) & (last >= full_from):
+            r0 = tl.multiple_of(last, BLOCK_K).to(tl.int64)
+            acc = _wgrad_slab(acc, r0, r0 + slab < end, R, a_ptr, b_ptr, a_offsets, b_offsets,
+                              sa_ptrs, sb_ptrs, kk_ok, col_ok, stride_ar, stride_br, stride_sa0, stride_sb0,
+                              BLOCK_K, True, SCALING, PRECISION)
+        if SCALING == 1:
+            sa = tl.load(sa_ptrs + e * stride_sa0, mask=kk_ok, other=0.0)
+            sb = tl.load(sb_ptrs + e * stride_sb0, mask=col_ok, other=0.0)
+            acc = acc * sa[:, None] * sb[None, :]
+        c_ptrs = c_ptr + e.to(tl.int64) * stride_ce + kk.to(tl.int64)[:, None] * stride_ck + cols[None, :] * stride_cn
+        tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=kk_ok[:, None] & col_ok[None, :])
+
+
+# ---------------------------------------------------------------- configs and launches
+
+
+def default_config(dtype: torch.dtype, n: int, rows_per_expert: float, block: int = 0) -> dict:
+    """Tiles for one GEMM: output tile BLOCK_M x BLOCK_N (grouped_mm: rows x N; wgrad: K x N),
+    reduction slab BLOCK_K. Wide column tiles where N allows (fewer re-reads of a), thin row tiles
+    when experts own few rows; FP8 reduces over 128 at a time (its scale blocks, and 128 bytes a row).
+    Block-scaled FP8 holds a second [BLOCK_M, BLOCK_N] fp32 tile (each slab's product before it is
+    scaled): 128 x 256 would spill registers there (ptxas, sm_90a), so its column tiles stay at 128."""
+    if dtype == torch.float32:  # correctness more than speed: CUDA-core FMAs unless TF32 is allowed
+        return dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, num_warps=4, num_stages=3, GROUP=8)
+    block_m = 64 if rows_per_expert < 96 else 128
+    block_n = 256 if n >= 1024 and block_m == 128 and not block else 128
+    stages = 3 if block_n == 256 else 4  # <= 147 KiB of shared memory for the operand tiles
+    return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=128 if dtype == FP8 else 64, num_warps=8, num_stages=stages,
+                GROUP=8)
+
+
+def _config(config: list[int], dtype: torch.dtype, n: int, rows_per_expert: float, block: int) -> dict:
+    """default_config with the entries of a _config_list (-1: not given) put over it."""
+    chosen = default_config(dtype, n, rows_per_expert, block)
+    chosen.update((key, value) for key, value in zip(CONFIG_KEYS, config) if value >= 0)
+    if block and SCALE_BLOCK % chosen["BLOCK_K"]:
+        raise ValueError(f"block={block} needs BLOCK_K dividing {SCALE_BLOCK}, got {chosen['BLOCK_K']}")
+    return chosen
+
+
+def _config_list(config: dict | None) -> list[int]:
+    """A config dict as the custom ops take it: a list in CONFIG_KEYS order, -1 where not given."""
+    if not config:
+        return []
+    unknown = set(config) - set(CONFIG_KEYS)
+    if unknown:
+        raise ValueError(f"unknown config keys {sorted(unknown)}; known: {CONFIG_KEYS}")
+    return [int(config.get(key, -1)) for key in CONFIG_KEYS]
+
+
+def _precision(dtype: torch.dtype) -> str:
+    """tl.dot's input precision: IEEE fp32 for fp32 operands unless torch allows TF32 ("tf32", the
+    default, means nothing for other dtypes)."""
+    return "ieee" if dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32 else "tf32"
+
+
+def _check_operands(a: torch.Tensor, b: torch.Tensor, a_scale, b_scale, block: int) -> int:
+    """SCALING code of the kernels (0 none, 1 row-wise, 2 block) after checking dtypes."""
+    if a.dtype != b.dtype:
+        raise ValueError(f"operands of one dtype expected, got {a.dtype} and {b.dtype}")
+    if block not in (0, SCALE_BLOCK):
+        raise ValueError(f"block must be 0 (row-wise) or {SCALE_BLOCK}, got {block}")
+    if a.dtype == FP8:
+        if a_scale is None or b_scale is None:
+            raise ValueError("float8_e4m3fn operands need a_scale and b_scale")
+        if a_scale.dtype != torch.float32 or b_scale.dtype != torch.float32:
+            raise ValueError("scales must be float32")
+        return 2 if block else 1
+    if a.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise ValueError(f"dtype {a.dtype} not supported (bf16, fp16, fp32 or float8_e4m3fn)")
+    if a_scale is not None or b_scale is not None or block:
+        raise ValueError("scales and block go with float8_e4m3fn operands only")
+    return 0
+
+
+def _expect(name: str, t: torch.Tensor, shape: tuple[int, ...]) -> None:
+    if tuple(t.shape) != shape:
+        raise ValueError(f"{name} must have shape {list(shape)}, got {list(t.shape)}")
+
+
+def _strides(t: torch.Tensor | None, dims: int) -> tuple[int, ...]:
+    return (0,) * dims if t is None else tuple(t.stride())
+
+
+def _grouped_mm_impl(a_RK: torch.Tensor, b_EKN: torch.Tensor, ends_E: torch.Tensor, a_scale: torch.Tensor | None,
+                     b_scale: torch.Tensor | None, block: int, out_dtype: torch.dtype,
+                     config: list[int]) -> torch.Tensor:
+    rows, k = a_RK.shape
+    num_experts, _, n = b_EKN.shape
+    _expect("b_EKN", b_EKN, (num_experts, k, n))
+    _expect("ends_E", ends_E, (num_experts,))
+    scaling = _check_operands(a_RK, b_EKN, a_scale, b_scale, block)
+    kb, nb = -(-k // SCALE_BLOCK), -(-n // SCALE_BLOCK)
+    if scaling == 1:
+        _expect("a_scale", a_scale, (rows,))
+        _expect("b_scale", b_scale, (num_experts, n))
+        sa_strides, sb_strides = (a_scale.stride(0), 0), (b_scale.stride(0), 0, b_scale.stride(1))
+    else:
+        if scaling == 2:
+            _expect("a_scale", a_scale, (rows, kb))
+            _expect("b_scale", b_scale, (num_experts, kb, nb))
+        sa_strides, sb_strides = _strides(a_scale, 2), _strides(b_scale, 3)
+    c_RN = torch.empty(rows, n, dtype=out_dtype, device=a_RK.device)
+    cfg = _config(config, a_RK.dtype, n, rows / max(num_experts, 1), block)
+    if rows == 0 or n == 0 or num_experts == 0:
+        return c_RN
+    m_tiles = triton.cdiv(rows, cfg["BLOCK_M"]) + num_experts  # each expert wastes at most one partial tile
+    grid = (m_tiles * triton.cdiv(n, cfg["BLOCK_N"]),)
+    with _on_device(a_RK):
+        _grouped_mm_kernel[grid](
+            a_RK, b_EKN, c_RN, a_scale if scaling else c_RN, b_scale if scaling else c_RN, ends_E,
+            n, k, m_tiles, num_experts, *a_RK.stride(), *b_EKN.stride(), *c_RN.stride(), *sa_strides, *sb_strides,
+            SCALING=scaling, PRECISION=_precision(a_RK.dtype), E_P2=triton.next_power_of_2(num_experts),
+            BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], GROUP=cfg["GROUP"],
+            EVEN_K=k % cfg["BLOCK_K"] == 0, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        )
+    return c_RN
+
+
+def _grouped_mm_wgrad_impl(a_RK: torch.Tensor, b_RN: torch.Tensor, ends_E: torch.Tensor, a_scale: torch.Tensor | None,
+                           b_scale: torch.Tensor | None, block: int, out_dtype: torch.dtype,
+                           config: list[int]) -> torch.Tensor:
+    rows, k = a_RK.shape
+    n, num_experts = b_RN.size(1), ends_E.numel()
+    _expect("b_RN", b_RN, (rows, n))
+    scaling = _check_operands(a_RK, b_RN, a_scale, b_scale, block)
+    first_dim = -(-rows // SCALE_BLOCK) if scaling == 2 else num_experts
+    if scaling:
+        _expect("a_scale", a_scale, (first_dim, k))
+        _expect("b_scale", b_scale, (first_dim, n))
+    dw_EKN = torch.empty(num_experts, k, n, dtype=out_dtype, device=a_RK.device)
+    cfg = _config(config, a_RK.dtype, n, rows / max(num_experts, 1), block)
+    grid = (num_experts * triton.cdiv(k, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"]),)
+    if grid[0] == 0:
+        return dw_EKN
+    with _on_device(a_RK):
+        _grouped_mm_wgrad_kernel[grid](
+            a_RK, b_RN, dw_EKN, a_scale if scaling else dw_EKN, b_scale if scaling else dw_EKN, ends_E, rows, n, k,
+            *a_RK.stride(), *b_RN.stride(), *dw_EKN.stride(), *_strides(a_scale, 2), *_strides(b_scale, 2),
+            SCALING=scaling, PRECISION=_precision(a_RK.dtype), BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
+            BLOCK_K=cfg["BLOCK_K"], GROUP=cfg["GROUP"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        )
+    return dw_EKN
+
+
+def _on_device(t: torch.Tensor):
+    """Launch on t's GPU (Triton launches on the current one); a CPU tensor: the interpreter."""
+    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
+
+
+@torch.library.custom_op("moetrain::grouped_mm", mutates_args=(), device_types="cuda")
+def _grouped_mm_op(a_RK: torch.Tensor, b_EKN: torch.Tensor, ends_E: torch.Tensor, a_scale: torch.Tensor | None,
+                   b_scale: torch.Tensor | None, block: int, out_dtype: torch.dtype, config: list[int]) -> torch.Tensor:
+    return _grouped_mm_impl(a_RK, b_EKN, ends_E, a_scale, b_scale, block, out_dtype, config)
+
+
+@_grouped_mm_op.register_fake
+def _(a_RK, b_EKN, ends_E, a_scale, b_scale, block, out_dtype, config):
+    return a_RK.new_empty(a_RK.size(0), b_EKN.size(2), dtype=out_dtype)
+
+
+@torch.library.custom_op("moetrain::grouped_mm_wgrad", mutates_args=(), device_types="cuda")
+def _grouped_mm_wgrad_op(a_RK: torch.Tensor, b_RN: torch.Tensor, ends_E: torch.Tensor, a_scale: torch.Tensor | None,
+                         b_scale: torch.Tensor | None, block: int, out_dtype: torch.dtype,
+                         config: list[int]) -> torch.Tensor:
+    return _grouped_mm_wgrad_impl(a_RK, b_RN, ends_E, a_scale, b_scale, block, out_dtype, config)
+
+
+@_grouped_mm_wgrad_op.register_fake
+def _(a_RK, b_RN, ends_E, a_scale, b_scale, block, out_dtype, config):
+    return a_RK.new_empty(ends_E.numel(), a_RK.size(1), b_RN.size(1), dtype=out_dtype)
+
+
+def grouped_mm(a_RK: torch.Tensor, b_EKN: torch.Tensor, ends_E: torch.Tensor, a_scale: torch.Tensor | None = None,
+               b_scale: torch.Tensor | None = None, block: int = 0, out_dtype: torch.dtype = torch.bfloat16,
+               config: dict | None = None) -> torch.Tensor:
+    """c[r] = a[r] @ b[e(r)] -> [R, N] in out_dtype (module docstring: layouts, scales, strides).
+    config: tiles instead of default_config (keys CONFIG_KEYS), for sweeps."""
+    if triton is None:
+        raise RuntimeError("moetrain.ops.triton_grouped needs Triton")
+    op = _grouped_mm_op if a_RK.is_cuda else _grouped_mm_impl
+    return op(a_RK, b_EKN, ends_E, a_scale, b_scale, block, out_dtype, _config_list(config))
+
+
+def grouped_mm_wgrad(a_RK: torch.Tensor, b_RN: torch.Tensor, ends_E: torch.Tensor, a_scale: torch.Tensor | None = None,
+                     b_scale: torch.Tensor | None = None, block: int = 0, out_dtype: torch.dtype = torch.float32,
+                     config: dict | None = None) -> torch.Tensor:
+    """dw[e] = a[rows of e]^T @ b[rows of e] -> [E, K, N] in out_dtype, zeros for an expert without
+    rows (module docstring). config: tiles instead of default_config; BLOCK_M tiles K, BLOCK_N
+    tiles N, BLOCK_K is the slab of rows reduced at a time."""
+    if triton is None:
+        raise RuntimeError("moetrain.ops.triton_grouped needs Triton")
+    op = _grouped_mm_wgrad_op if a_RK.is_cuda else _grouped_mm_wgrad_impl
+    return op(a_RK, b_RN, ends_E, a_scale, b_scale, block, out_dtype, _config_list(config))
+
+
+# ---------------------------------------------------------------- references
+
+
+def _expand_blocks(scale: torch.Tensor, sizes: tuple[int, ...]) -> torch.Tensor:
+    """Block scales repeated SCALE_BLOCK times along each dim i where sizes[i] is given, cut to it."""
+    for dim, size in enumerate(sizes):
+        if size is not None:
+            scale = scale.repeat_interleave(SCALE_BLOCK, dim).narrow(dim, 0, size)
+    return scale
+
+
+def _starts_ends(ends_E: torch.Tensor) -> list[tuple[int, int]]:
+    ends = ends_E.tolist()
+    return list(zip([0] + ends[:-1], ends))
+
+
+def grouped_mm_reference(a_RK, b_EKN, ends_E, a_scale=None, b_scale=None, block=0) -> torch.Tensor:
+    """grouped_mm in fp32 on dequantized operands, one matmul per expert -> fp32 [R, N]."""
+    rows, k = a_RK.shape
+    n = b_EKN.size(2)
+    a, b = a_RK.float(), b_EKN.float()
+    if a_scale is not None and block:
+        a = a * _expand_blocks(a_scale, (None, k))
+        b = b * _expand_blocks(b_scale, (None, k, n))
+    elif a_scale is not None:
+        a, b = a * a_scale[:, None], b * b_scale[:, None, :]
+    c = torch.zeros(rows, n, dtype=torch.float32, device=a_RK.device)
+    for e, (s, t) in enumerate(_starts_ends(ends_E)):
+        c[s:t] = a[s:t] @ b[e]
+    return c
+
+
+def grouped_mm_wgrad_reference(a_RK, b_RN, ends_E, a_scale=None, b_scale=None, block=0) -> torch.Tensor:
+    """grouped_mm_wgrad in fp32 on dequantized operands, one matmul per expert -> fp32 [E, K, N]."""
+    rows, k = a_RK.shape
+    n = b_RN.size(1)
+    a, b = a_RK.float(), b_RN.float()
+    if a_scale is not None and block:
+        a = a * _expand_blocks(a_scale, (rows, None))
+        b = b * _expand_blocks(b_scale, (rows, None))
+    dw = torch.zeros(ends_E.numel(), k, n, dtype=torch.float32, device=a_RK.device)
+    for e, (s, t) in enumerate(_starts_ends(ends_E)):
+        dw[e] = a[s:t].t() @ b[s:t]
+        if a_scale is not None and not block:
+            dw[e] *= a_scale[e][:, None] * b_scale[e][None, :]
+    return dw
+
+
+# ---------------------------------------------------------------- benchmark
+
+# Expert GEMMs of LM shapes: tokens T, model dim D, expert hidden dim H, experts E, top-k.
+LM_SHAPES = {"moe_1b5": (32768, 2048, 2048, 8, 2), "qwen3_30b": (16384, 2048, 768, 128, 8),
+             "mixtral": (8192, 4096, 14336, 8, 2), "dsv3": (8192, 7168, 2048, 256, 8)}
+# (BLOCK_M, BLOCK_N, num_warps, num_stages) tried by --sweep; BLOCK_K is the dtype's default.
+SWEEP = ((128, 256, 8, 3), (128, 128, 8, 4), (128, 128, 4, 4), (64, 256, 8, 3), (64, 128, 4, 4), (256, 128, 8, 3),
+         (128, 64, 4, 5))
+
+
+def routed_counts(tokens: int, num_experts: int, top_k: int, seed: int = 0) -> list[int]:
+    """Rows per expert when every token picks top_k distinct experts, drawn from a mildly skewed
+    popularity (a softmax of Gaussian logits), as a trained router's load looks."""
+    generator = torch.Generator().manual_seed(seed)
+    popularity = torch.softmax(0.3 * torch.randn(num_experts, generator=generator), 0)
+    picks = torch.multinomial(popularity.expand(tokens, num_experts), top_k, generator=generator)
+    return torch.bincount(picks.flatten(), minlength=num_experts).tolist()
+
+
+def _quantize_blocks(x: torch.Tensor, rows: int, cols: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """E4M3 values of a 2-D x and one fp32 scale per block of rows x cols (amax / 448, 1 for zeros)."""
+    r, c = x.shape
+    padded = torch.nn.functional.pad(x.float(), (0, -c % cols, 0, -r % rows))
+    blocks = padded.view(padded.size(0) // rows, rows, padded.size(1) // cols, cols)
+    amax = blocks.abs().amax(dim=(1, 3))
+    scale = torch.where(amax > 0, amax / 448.0, torch.ones_like(amax))
+    q = (blocks / scale[:, None, :, None]).view_as(padded)[:r, :c].to(FP8)
+    return q, scale
+
+
+def _quantize_experts(w_EKN: torch.Tensor, rows: int, cols: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """_quantize_blocks of each expert's [K, N] (one expert at a time: no fp32 copy of all weights)."""
+    pairs = [_quantize_blocks(w, rows, cols) for w in w_EKN]
+    q = torch.empty(w_EKN.shape, dtype=FP8, device=w_EKN.device)
+    for e, (q_e, _) in enumerate(pairs):
+        q[e] = q_e
+    return q, torch.stack([s for _, s in pairs])
+
+
+def _k_contiguous(b_EKN: torch.Tensor) -> torch.Tensor:
+    """The same logical [E, K, N] stored [E, N, K] (K contiguous, what FP8 tensor cores read)."""
+    return b_EKN.transpose(1, 2).contiguous().transpose(1, 2)
+
+
+def _relative_error(kind: str, c: torch.Tensor, a, b, ends_E, a_scale=None, b_scale=None, block=0) -> float:
+    """max |c - reference| / max |reference|, the reference (fp32, dequantized operands) taken one
+    expert at a time so that no fp32 copy of all expert weights (or of all of dw) is made."""
+    error, peak = 0.0, 0.0
+    for e, (s, t) in enumerate(_starts_ends(ends_E)):
+        if kind == "mm":
+            if s == t:
+                continue
+            ends = torch.tensor([t - s], dtype=torch.int32)
+            scales = (None, None) if a_scale is None else (a_scale[s:t], b_scale[e:e + 1])
+            ref = grouped_mm_reference(a[s:t], b[e:e + 1], ends, *scales, block)
+            got = c[s:t]
+        else:  # rows from a multiple of 128, so that block scales keep their global 128-row blocks
+            s0 = s // SCALE_BLOCK * SCALE_BLOCK if block else s
+            ends = torch.tensor([s - s0, t - s0], dtype=torch.int32)
+            if a_scale is None:
+                scales = (None, None)
+            elif block:
+                scales = (a_scale[s0 // SCALE_BLOCK:], b_scale[s0 // SCALE_BLOCK:])
+                scales = tuple(x[:-(-(t - s0) // SCALE_BLOCK)] for x in scales)
+            else:
+                scales = (a_scale[[e, e]], b_scale[[e, e]])
+            ref = grouped_mm_wgrad_reference(a[s0:t], b[s0:t], ends, *scales, block)[1]
+            got = c[e]
+        error = max(error, (got.float() - ref).abs().max().item())
+        peak = max(peak, ref.abs().max().item())
+    return error / peak if peak else error
+
+
+def _configs(dtype: torch.dtype, n: int, rows_per_expert: float, block: int, sweep: bool) -> list[dict]:
+    """Our tiles to time: the default, and with sweep the SWEEP variants of it."""
+    default = default_config(dtype, n, rows_per_expert, block)
+    tried = [dict(default, BLOCK_M=m, BLOCK_N=nn, num_warps=w, num_stages=s) for m, nn, w, s in SWEEP] if sweep else []
+    return [default] + [config for config in tried if config != default]
+
+
+def _config_text(config: dict | None) -> str:
+    if config is None:
+        return "torch"
+    return "{BLOCK_M}x{BLOCK_N}x{BLOCK_K} w{num_warps} s{num_stages} g{GROUP}".format(**config)
+
+
+def _measure(name: str, kind: str, call, operands: tuple, flops: float, configs: list, device) -> dict:
+    """Time call(config) for each config (None: torch's kernel) and keep the fastest; its error
+    against the reference of operands (a, b, ends, a_scale, b_scale, block)."""
+    from moetrain.timing import median_ms
+
+    best, failure = None, None
+    for config in configs:
+        try:
+            ms = median_ms(lambda: call(config), device, warmup=5, steps=20)
+        except Exception as error:  # a config out of shared memory, or a torch kernel refusing the layout
+            failure = f"{type(error).__name__}: {str(error).strip().splitlines()[0][:120]}"
+            continue
+        if best is None or ms < best[0]:
+            best = (ms, config)
+    if best is None:
+        return dict(variant=name, error=failure)
+    ms, config = best
+    relative = _relative_error(kind, call(config), *operands)
+    return dict(variant=name, ms=ms, tflops=flops / ms / 1e9, rel_error=relative, config=_config_text(config))
+
+
+def _bench_gemm(shape: str, gemm: str, counts: list[int], k: int, n: int, seed: int, sweep: bool,
+                device="cuda") -> list[dict]:
+    """Forward (x @ w), dgrad (dy @ w^T) and wgrad (x^T dy per expert) of one expert GEMM with
+    weights w [E, k, n], in bf16 (ours, torch._grouped_mm), FP8 row-wise (ours and
+    torch._scaled_grouped_mm, on the operands moetrain.quant.training gives it) and FP8 128-blocks
+    (ours). FP8 operands are stored with the reduction dimension contiguous."""
+    from moetrain.quant import kernels, training
+
+    rows, num_experts, bf16 = sum(counts), len(counts), torch.bfloat16
+    counts_E = torch.tensor(counts, device=device)
+    ends_E = counts_E.cumsum(0).to(torch.int32)
+    torch.manual_seed(seed)
+    x = torch.randn(rows, k, device=device, dtype=bf16)
+    dy = torch.randn(rows, n, device=device, dtype=bf16)
+    w = (torch.randn(num_experts, k, n, device=device) / k ** 0.5).to(bf16)
+    flops = 2.0 * rows * k * n
+    results = []
+
+    def record(pass_name: str, variant: str, call, operands: tuple, dtype=None) -> None:
+        """dtype: ours (its configs, out features n for fwd/wgrad, k for dgrad); None: torch's."""
+        out_features, block = k if pass_name == "dgrad" else n, operands[5] if len(operands) > 5 else 0
+        configs = [None] if dtype is None else _configs(dtype, out_features, rows / num_experts, block, sweep)
+        kind = "wgrad" if pass_name == "wgrad" else "mm"
+        result = dict(shape=shape, gemm=gemm, rows=rows, k=k, n=n, **{"pass": pass_name})
+        result.update(_measure(variant, kind, call, operands, flops, configs, device))
+        results.append(result)
+        print(_row_text(result), flush=True)
+
+    # bf16, w as stored [E, k, n]; dgrad through its transposed view
+    wt = w.transpose(1, 2)
+    record("fwd", "bf16 ours", lambda cfg: grouped_mm(x, w, ends_E, config=cfg), (x, w, ends_E), bf16)
+    record("fwd", "bf16 torch", lambda cfg: torch._grouped_mm(x, w, offs=ends_E), (x, w, ends_E))
+    record("dgrad", "bf16 ours", lambda cfg: grouped_mm(dy, wt, ends_E, config=cfg), (dy, wt, ends_E), bf16)
+    record("dgrad", "bf16 torch", lambda cfg: torch._grouped_mm(dy, wt, offs=ends_E), (dy, wt, ends_E))
+    record("wgrad", "bf16 ours", lambda cfg: grouped_mm_wgrad(x, dy, ends_E, out_dtype=bf16, config=cfg),
+           (x, dy, ends_E), bf16)
+    record("wgrad", "bf16 torch", lambda cfg: torch._grouped_mm(x.t(), dy, offs=ends_E), (x, dy, ends_E))
+    # FP8 row-wise
+    xq, sx = training.quantize_rows(x)
+    wq, sw = training.quantize_weight(w, over=1)  # [E, n, k], scales [E, n]
+    ops = (xq, wq.transpose(1, 2), ends_E, sx, sw, 0)
+    record("fwd", "fp8 row ours", lambda cfg: grouped_mm(*ops[:5], config=cfg), ops, FP8)
+    record("fwd", "fp8 row torch", lambda cfg: torch._scaled_grouped_mm(
+        xq, ops[1], sx, sw, offs=ends_E, out_dtype=bf16), ops)
+    dyq, sdy = training.quantize_rows(dy)
+    wq, sw = training.quantize_weight(w, over=2)  # [E, k, n], scales [E, k]
+    ops = (dyq, wq.transpose(1, 2), ends_E, sdy, sw, 0)
+    record("dgrad", "fp8 row ours", lambda cfg: grouped_mm(*ops[:5], config=cfg), ops, FP8)
+    record("dgrad", "fp8 row torch", lambda cfg: torch._scaled_grouped_mm(
+        dyq, ops[1], sdy, sw, offs=ends_E, out_dtype=bf16), ops)
+    del wq, ops
+    # wgrad: each expert's rows padded to 16 for torch (zeros), scales per expert and column
+    padded_ends_E = training.padded_ends(counts_E)
+    padded = int(padded_ends_E[-1])
+    xq_KP, sx_EK = training.quantize_columns(x, counts_E, padded)
+    dyq_NP, sdy_EN = training.quantize_columns(dy, counts_E, padded)
+    ops = (xq_KP.t(), dyq_NP.t(), padded_ends_E, sx_EK, sdy_EN, 0)
+    record("wgrad", "fp8 row ours", lambda cfg: grouped_mm_wgrad(*ops[:5], out_dtype=bf16, config=cfg), ops, FP8)
+    record("wgrad", "fp8 row torch", lambda cfg: torch._scaled_grouped_mm(
+        xq_KP, dyq_NP.t(), sx_EK.reshape(-1), sdy_EN.reshape(-1), offs=padded_ends_E, out_dtype=bf16), ops)
+    del xq_KP, dyq_NP, ops
+    # FP8 128-blocks: 1x128 activation tiles, 128x128 weight blocks; for wgrad 128x1 (rows x column)
+    wq, sw = _quantize_experts(w, SCALE_BLOCK, SCALE_BLOCK)  # [E, k, n], scales [E, k/128, n/128]
+    del w, wt
+    xq, sx = kernels.quantize_fp8(x, SCALE_BLOCK)
+    ops = (xq, _k_contiguous(wq), ends_E, sx, sw, SCALE_BLOCK)
+    record("fwd", "fp8 block ours", lambda cfg: grouped_mm(*ops, config=cfg), ops, FP8)
+    dyq, sdy = kernels.quantize_fp8(dy, SCALE_BLOCK)
+    ops = (dyq, wq.transpose(1, 2), ends_E, sdy, sw.transpose(1, 2), SCALE_BLOCK)  # n contiguous as stored
+    record("dgrad", "fp8 block ours", lambda cfg: grouped_mm(*ops, config=cfg), ops, FP8)
+    del wq, ops
+    xq, sx = _quantize_blocks(x, SCALE_BLOCK, 1)
+    dyq, sdy = _quantize_blocks(dy, SCALE_BLOCK, 1)
+    ops = (xq.t().contiguous().t(), dyq.t().contiguous().t(), ends_E, sx, sdy, SCALE_BLOCK)  # rows contiguous
+    record("wgrad", "fp8 block ours", lambda cfg: grouped_mm_wgrad(*ops, out_dtype=bf16, config=cfg), ops, FP8)
+    return results
+
+
+_COLUMNS = (("shape", 10), ("gemm", 8), ("pass", 6), ("variant", 15), ("rows", 7), ("k", 6), ("n", 6), ("ms", 8),
+            ("tflops", 8), ("rel_error", 9), ("config", 0))
+
+
+def _row_text(row: dict) -> str:
+    """One line of the table (the header when row maps each column to its name)."""
+    formats = {"ms": "{:.3f}", "tflops": "{:.1f}", "rel_error": "{:.2e}"}
+    cells = []
+    for key, width in _COLUMNS:
+        value = row.get(key, "")
+        if key in formats and not isinstance(value, str):
+            value = formats[key].format(value)
+        if key == "config" and "error" in row:
+            value = row["error"]
+        cells.append(f"{value!s:<{width}}")
+    return " ".join(cells).rstrip()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m moetrain.ops.triton_grouped",
+                                     description="Time the Triton grouped GEMMs against torch's at LM shapes (a GPU).")
+    parser.add_argument("--shapes", nargs="+", choices=list(LM_SHAPES), default=list(LM_SHAPES))
+    parser.add_argument("--sweep", action="store_true", help="also try the SWEEP tiles for each of our GEMMs")
+    parser.add_argument("--json", metavar="FILE", help="write the results there")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available() or triton is None:
+        print("moetrain.ops.triton_grouped: the benchmark needs a CUDA GPU and Triton "
+              f"({'no GPU visible' if not torch.cuda.is_available() else 'Triton missing'})")
+        return 2
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}; "
+          "w [E, k, n]: fwd x @ w, dgrad dy @ w^T, wgrad x^T dy; TFLOP/s = 2 rows k n / time (median of 20); "
+          "rel_error = max |c - ref| / max |ref|, ref in fp32 on the dequantized operands")
+    print(_row_text({key: key for key, _ in _COLUMNS}))
+    results = []
+    for shape in args.shapes:
+        tokens, d, h, num_experts, top_k = LM_SHAPES[shape]
+        counts = routed_counts(tokens, num_experts, top_k, args.seed)
+        for gemm, k, n in (("gate_up", d, 2 * h), ("down", h, d)):
+            results += _bench_gemm(shape, gemm, counts, k, n, args.seed, args.sweep)
+            torch.cuda.empty_cache()
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
+                           sweep=args.sweep, results=results), f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
