@@ -74,7 +74,8 @@ def test_cli_rejects_unknown_shape():
 
 def test_lm_table_has_fp8_and_fp8_block_against_bf16():
     """The GPU table's LM rows: each FP8 precision's TFLOP/s, its ratio to the bf16 layer and its
-    target; a precision that did not run (no sm90 GPU, no kernel) prints as nan and -."""
+    target, and the bf16 layer on the Triton GEMMs against torch's; a column that did not run (no
+    sm90 GPU, no kernel) prints as nan and -."""
     def timed(tflops):
         return {"ms": 1.0, "tflops": tflops, "peak_gib": 2.0}
 
@@ -83,6 +84,8 @@ def test_lm_table_has_fp8_and_fp8_block_against_bf16():
     row = next(line for line in bench.gpu_table([result], 800.0).splitlines() if line.startswith("moe_1b5"))
     assert f"480    1.20x  {bench.FP8_TARGET:4.2f}x" in row
     assert f"520    1.30x  {bench.FP8_BLOCK_TARGET:4.2f}x" in row
+    assert row.rstrip().endswith("nan     nanx")  # the triton column did not run
     del result["moetrain_fp8_block"]
+    result["moetrain_triton"] = timed(440.0)
     row = next(line for line in bench.gpu_table([result], 800.0).splitlines() if line.startswith("moe_1b5"))
-    assert row.rstrip().endswith("nan     nanx  1.25x        -")
+    assert row.rstrip().endswith("nan     nanx  1.25x        -      440    1.10x")
