@@ -124,9 +124,20 @@ def test_row_and_weight_quantization_are_the_formats(device):
         assert torch.equal(scale_EK[e].cpu(), dgrad["scale"])
 
 
+@pytest.fixture(params=["torch", "triton"])
+def rowwise_gemms(request):
+    """precision="fp8"'s grouped GEMMs on CUDA: torch._scaled_grouped_mm or moetrain's Triton ones
+    (the CPU emulates them either way)."""
+    training.set_rowwise_gemms(request.param)
+    yield request.param
+    training.set_rowwise_gemms("torch")
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("rows,k,n,experts,padding", [(64, 32, 48, 4, 0), (517, 128, 80, 6, 11), (9, 16, 16, 3, 0)])
-def test_three_gemms_are_fp32_gemms_of_the_dequantized_operands(device, rows, k, n, experts, padding):
+def test_three_gemms_are_fp32_gemms_of_the_dequantized_operands(device, rows, k, n, experts, padding, rowwise_gemms):
+    if device == "cpu" and rowwise_gemms == "triton":
+        pytest.skip("the CPU emulates the GEMMs whichever CUDA kernels are chosen")
     g = torch.Generator().manual_seed(rows)
     counts = _counts(rows, experts, g, empty=1)
     x = torch.randn(rows + padding, k, generator=g)
@@ -259,6 +270,11 @@ def test_block_gemms_are_fp32_gemms_of_the_dequantized_operands(device, rows, k,
             assert _rel(w.grad[e], want_dw[e]) < BF16_ULP, f"expert {e}"
         else:
             assert not w.grad[e].any()
+
+
+def test_rowwise_gemms_choice_is_checked():
+    with pytest.raises(ValueError, match=r"backend must be one of \['torch', 'triton'\], got 'cutlass'"):
+        training.set_rowwise_gemms("cutlass")
 
 
 def test_fp8_precision_is_checked():

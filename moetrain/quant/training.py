@@ -332,10 +332,28 @@ def _(x_RC):
 # ---------------------------------------------------------------- GEMMs
 
 
+ROWWISE_GEMMS = ("torch", "triton")
+_rowwise_gemms = "torch"
+
+
+def set_rowwise_gemms(backend: str) -> None:
+    """Which grouped GEMMs run precision="fp8" on CUDA: "torch" (torch._scaled_grouped_mm) or
+    "triton" (moetrain.ops.triton_grouped, row-wise scales in its epilogue)."""
+    global _rowwise_gemms
+    if backend not in ROWWISE_GEMMS:
+        raise ValueError(f"backend must be one of {list(ROWWISE_GEMMS)}, got {backend!r}")
+    _rowwise_gemms = backend
+
+
 def rows_matmul(xq_RK, x_scale_R, wq_ENK, w_scale_EN, counts_E) -> torch.Tensor:
     """y[r] = (xq[r] * x_scale[r]) @ (wq[e] * w_scale[e, :, None]).T for each row's expert e -> bf16 [R, N]."""
     if xq_RK.size(0) == 0:
         return torch.zeros(0, wq_ENK.size(1), dtype=torch.bfloat16, device=xq_RK.device)
+    if xq_RK.is_cuda and _rowwise_gemms == "triton":
+        from moetrain.ops import triton_grouped  # noqa: PLC0415 - Triton is imported on first use
+
+        return triton_grouped.grouped_mm(xq_RK, wq_ENK.transpose(1, 2), group_ends(counts_E, xq_RK.size(0), xq_RK.device),
+                                         a_scale=x_scale_R, b_scale=w_scale_EN)
     if xq_RK.is_cuda:
         return torch._scaled_grouped_mm(xq_RK, wq_ENK.transpose(1, 2), x_scale_R, w_scale_EN,
                                         offs=group_ends(counts_E, xq_RK.size(0), xq_RK.device), out_dtype=torch.bfloat16)
@@ -349,6 +367,11 @@ def columns_matmul(aq_KP, a_scale_EK, bq_NP, b_scale_EN, counts_E) -> torch.Tens
     and B_e likewise -> bf16 [E, K, N]."""
     if aq_KP.size(1) == 0:
         return torch.zeros(counts_E.numel(), aq_KP.size(0), bq_NP.size(0), dtype=torch.bfloat16, device=aq_KP.device)
+    if aq_KP.is_cuda and _rowwise_gemms == "triton":
+        from moetrain.ops import triton_grouped  # noqa: PLC0415
+
+        return triton_grouped.grouped_mm_wgrad(aq_KP.t(), bq_NP.t(), padded_ends(counts_E), a_scale=a_scale_EK,
+                                               b_scale=b_scale_EN, out_dtype=torch.bfloat16)
     if aq_KP.is_cuda:
         return torch._scaled_grouped_mm(aq_KP, bq_NP.t(), a_scale_EK.reshape(-1), b_scale_EN.reshape(-1),
                                         offs=padded_ends(counts_E), out_dtype=torch.bfloat16)
