@@ -192,6 +192,8 @@ def test_bad_arguments_are_refused():
         tg.grouped_mm(q, w, ends, torch.ones(4, 1), torch.ones(2, 1, 1), block=128, config=dict(BLOCK_K=96))
     with pytest.raises(ValueError, match="b_scale must have shape"):
         tg.grouped_mm_wgrad(q, q, ends, torch.ones(2, 8), torch.ones(1, 8))
+    with pytest.raises(ValueError, match="ends_E must be int32"):
+        tg.grouped_mm_wgrad(a, a, ends.long())
     with pytest.raises(ValueError, match="unknown config keys"):
         tg.grouped_mm(a, b, ends, config=dict(BLOCK=16))
 
