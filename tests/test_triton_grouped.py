@@ -192,6 +192,8 @@ def test_bad_arguments_are_refused():
         tg.grouped_mm(q, w, ends, torch.ones(4, 1), torch.ones(2, 1, 1), block=128, config=dict(BLOCK_K=96))
     with pytest.raises(ValueError, match="b_scale must have shape"):
         tg.grouped_mm_wgrad(q, q, ends, torch.ones(2, 8), torch.ones(1, 8))
+    with pytest.raises(ValueError, match="ends_E must be int32"):
+        tg.grouped_mm_wgrad(a, a, ends.long())
     with pytest.raises(ValueError, match="unknown config keys"):
         tg.grouped_mm(a, b, ends, config=dict(BLOCK=16))
 
@@ -242,6 +244,12 @@ def test_benchmark_refuses_a_cpu():
 
 # ---------------------------------------------------------------- CUDA
 
+# Error bounds on the GPU, in units of (|a| @ |b|): the tensor cores' accumulation order, and for
+# FP8 on sm90 its accumulation inside the tensor cores, which keeps fewer bits than fp32 (module
+# docstring). Loose next to the interpreter's bound; indexing and scale bugs (checked tightly there)
+# show up as errors of order 1.
+GPU_TOLERANCE = {torch.bfloat16: 1e-3, tg.FP8: 5e-3}
+
 # The LM shapes (tokens x top-k rows, D, H, E) scaled down: gate-up (K=D, N=2H) and down (K=H, N=D).
 SHAPES = {"moe_1b5": (2048 * 2, 512, 512, 8), "qwen3_30b": (1024 * 8, 512, 192, 32),
           "mixtral": (512 * 2, 1024, 1792, 8), "dsv3": (512 * 8, 896, 256, 64)}
@@ -260,12 +268,12 @@ def _random_counts(rows: int, num_experts: int, seed: int) -> list[int]:
 @pytest.mark.parametrize("device", [pytest.param("cuda", marks=SM90)])
 def test_lm_shapes_on_the_gpu(shape, dtype, scaling, kind, device):
     """Default tiles at the LM shapes scaled down, each operand laid out as training holds it.
-    Tolerance: the tensor cores' accumulation (FP8's is not full fp32) and the bf16 output."""
+    Tolerance: GPU_TOLERANCE and the bf16 output's rounding."""
     torch.manual_seed(1)
     rows, d, h, num_experts = SHAPES[shape]
     counts = _random_counts(rows, num_experts, seed=3)
     fast = dtype == tg.FP8
-    tolerance = 2e-3 if fast else 1e-4
+    tolerance = GPU_TOLERANCE[dtype]
     for k, n in ((d, 2 * h), (h, d)):
         if kind == "dgrad":
             k, n = n, k  # dy [R, N_out] @ w^T: reduce over the forward's N
@@ -277,13 +285,15 @@ def test_lm_shapes_on_the_gpu(shape, dtype, scaling, kind, device):
 
 @pytest.mark.parametrize("device", [pytest.param("cuda", marks=SM90)])
 def test_edge_layouts_on_the_gpu(device):
+    """Empty experts (first, last, all but one), one expert, no experts; K and N off the tiles."""
     torch.manual_seed(2)
+    bf16, fp8 = GPU_TOLERANCE[torch.bfloat16], GPU_TOLERANCE[tg.FP8]
     for counts in ([0, 0, 300, 0], [517], [1, 0, 255, 129], []):
         for kind in ("mm", "wgrad"):
-            check(kind, torch.bfloat16, "none", counts, 200, 136, device, out_dtype=torch.bfloat16, tolerance=1e-4)
-            check(kind, torch.bfloat16, "none", counts, 200, 136, device, layout="transposed", tolerance=1e-4)
-            check(kind, tg.FP8, "block", counts, 200, 136, device, layout="reduction", tolerance=2e-3)
-            check(kind, tg.FP8, "row", counts, 200, 136, device, layout="plain", tolerance=2e-3)
+            check(kind, torch.bfloat16, "none", counts, 200, 136, device, out_dtype=torch.bfloat16, tolerance=bf16)
+            check(kind, torch.bfloat16, "none", counts, 200, 136, device, layout="transposed", tolerance=bf16)
+            check(kind, tg.FP8, "block", counts, 200, 136, device, layout="reduction", tolerance=fp8)
+            check(kind, tg.FP8, "row", counts, 200, 136, device, layout="plain", tolerance=fp8)
             check(kind, torch.float32, "none", counts, 72, 40, device, tolerance=2e-3)  # TF32 allowed or not
 
 

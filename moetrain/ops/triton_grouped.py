@@ -283,6 +283,12 @@ def _expect(name: str, t: torch.Tensor, shape: tuple[int, ...]) -> None:
         raise ValueError(f"{name} must have shape {list(shape)}, got {list(t.shape)}")
 
 
+def _check_ends(ends_E: torch.Tensor) -> torch.Tensor:
+    if ends_E.dtype != torch.int32:
+        raise ValueError(f"ends_E must be int32, got {ends_E.dtype}")
+    return ends_E.contiguous()
+
+
 def _strides(t: torch.Tensor | None, dims: int) -> tuple[int, ...]:
     return (0,) * dims if t is None else tuple(t.stride())
 
@@ -294,6 +300,7 @@ def _grouped_mm_impl(a_RK: torch.Tensor, b_EKN: torch.Tensor, ends_E: torch.Tens
     num_experts, _, n = b_EKN.shape
     _expect("b_EKN", b_EKN, (num_experts, k, n))
     _expect("ends_E", ends_E, (num_experts,))
+    ends_E = _check_ends(ends_E)
     scaling = _check_operands(a_RK, b_EKN, a_scale, b_scale, block)
     kb, nb = -(-k // SCALE_BLOCK), -(-n // SCALE_BLOCK)
     if scaling == 1:
@@ -328,6 +335,7 @@ def _grouped_mm_wgrad_impl(a_RK: torch.Tensor, b_RN: torch.Tensor, ends_E: torch
     rows, k = a_RK.shape
     n, num_experts = b_RN.size(1), ends_E.numel()
     _expect("b_RN", b_RN, (rows, n))
+    ends_E = _check_ends(ends_E)
     scaling = _check_operands(a_RK, b_RN, a_scale, b_scale, block)
     first_dim = -(-rows // SCALE_BLOCK) if scaling == 2 else num_experts
     if scaling:
