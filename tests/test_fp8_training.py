@@ -130,7 +130,7 @@ def rowwise_gemms(request):
     (the CPU emulates them either way)."""
     training.set_rowwise_gemms(request.param)
     yield request.param
-    training.set_rowwise_gemms("torch")
+    training.set_rowwise_gemms("auto")
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -195,7 +195,7 @@ def _same_bits(got: torch.Tensor, want: torch.Tensor) -> bool:
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_block_tiles_are_the_definition_bit_for_bit(device):
+def test_block_tiles_are_the_definition_bit_for_bit(device, monkeypatch):
     """1x128 row tiles (x, dy), 128x1 column tiles over global 128-row blocks (wgrad's x, dy) and
     128x128 weight blocks, on sizes that are not multiples of 128, against _reference_tiles."""
     _skip_unless_supported(device, "fp8_block")
@@ -220,6 +220,11 @@ def test_block_tiles_are_the_definition_bit_for_bit(device):
         want_q, want_scale = _reference_tiles(w[e], (128, 128))
         assert torch.equal(scale_EKbNb[e].cpu(), want_scale)
         assert _same_bits(q_EKN[e], want_q) and _same_bits(q_ENK[e].t(), want_q)
+    # Large layers are quantized a group of experts at a time: the same values and scales.
+    monkeypatch.setattr(training, "_BLOCK_CHUNK", w[0].numel() * 2)
+    for k_contiguous, (want_q, want_scale) in ((True, (q_ENK, scale_EKbNb)), (False, (q_EKN, scale_again))):
+        q, scale = training.quantize_weight_blocks(w, k_contiguous=k_contiguous)
+        assert _same_bits(q, want_q.cpu()) and torch.equal(scale, want_scale)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -273,7 +278,7 @@ def test_block_gemms_are_fp32_gemms_of_the_dequantized_operands(device, rows, k,
 
 
 def test_rowwise_gemms_choice_is_checked():
-    with pytest.raises(ValueError, match=r"backend must be one of \['torch', 'triton'\], got 'cutlass'"):
+    with pytest.raises(ValueError, match=r"backend must be one of \['auto', 'torch', 'triton'\], got 'cutlass'"):
         training.set_rowwise_gemms("cutlass")
 
 
