@@ -49,8 +49,6 @@ E experts, P rows padded per expert to multiples of ALIGN; Kb, Nb, Rb those dims
 
 from __future__ import annotations
 
-import importlib.util
-
 import torch
 
 from moetrain.ops.grouped import expert_matmul, expert_of_rows, group_ends
@@ -76,12 +74,6 @@ def _check_fp8_precision(precision: str) -> str:
     return precision
 
 
-@torch.compiler.assume_constant_result  # a fixed fact of the install: torch.compile need not trace importlib
-def _block_gemm_installed() -> bool:
-    """Whether moetrain.ops.triton_grouped (fp8_block's CUDA grouped GEMMs) is part of this install."""
-    return importlib.util.find_spec("moetrain.ops.triton_grouped") is not None
-
-
 def fp8_supported(device: torch.device, precision: str = "fp8") -> tuple[bool, str]:
     """Whether the FP8 expert GEMMs of this recipe ("fp8" or "fp8_block") run on this device, and
     why not when they do not."""
@@ -92,8 +84,8 @@ def fp8_supported(device: torch.device, precision: str = "fp8") -> tuple[bool, s
         return False, f"{device.type} tensors (FP8 training runs on CUDA or emulated on the CPU)"
     if precision == "fp8" and (not hasattr(torch, "_scaled_grouped_mm") or triton is None):
         return False, f"torch {torch.__version__} without torch._scaled_grouped_mm or without Triton"
-    if precision == "fp8_block" and (triton is None or not _block_gemm_installed()):
-        return False, "an install without Triton or without moetrain.ops.triton_grouped (the block-scaled grouped GEMM)"
+    if precision == "fp8_block" and triton is None:
+        return False, "an install without Triton (fp8_block's GEMMs are moetrain.ops.triton_grouped's)"
     if torch.cuda.get_device_capability(device) < (9, 0):
         return False, "GPU older than sm90 (Hopper): no FP8 grouped GEMM"
     return True, "CUDA sm90+"
