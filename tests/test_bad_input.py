@@ -16,6 +16,7 @@ import shutil
 import stat
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -29,14 +30,13 @@ MOETRAIN = str(Path(sys.executable).parent / "moetrain")
 QUICK = ["+recipe=quickstart", *TINY_RUN, *TINY_SYNTHETIC, "logger=none"]
 
 
-def unprivileged() -> list[str]:
-    """A command prefix under which chmod'ed permissions hold (empty unless running as root)."""
+def unprivileged() -> list[str] | None:
+    """A command prefix under which chmod'ed permissions hold (empty unless running as root); None
+    as root without setpriv, where permissions cannot be denied."""
     if os.geteuid() != 0:
         return []
     setpriv = shutil.which("setpriv")
-    if setpriv is None:
-        pytest.skip("running as root without setpriv: permissions cannot be denied")
-    return [setpriv, "--bounding-set=-dac_override,-dac_read_search"]
+    return None if setpriv is None else [setpriv, "--bounding-set=-dac_override,-dac_read_search"]
 
 
 def moetrain(args: list[str], cwd: Path, prefix: list[str] = ()) -> subprocess.CompletedProcess:
@@ -262,19 +262,45 @@ def finished_run(tmp_path_factory) -> Path:
     return folder / "run"
 
 
-@pytest.mark.parametrize("name", list(CASES))
-def test_bad_input_is_one_line_and_exit_2(name, tmp_path, request, cifar10_root, mnist_root):
-    case = CASES[name]
-    finished = request.getfixturevalue("finished_run") if case.needs_run else None
-    sources = Sources(cifar10_root, mnist_root, finished)
+@dataclass
+class Outcome:
+    tmp: Path
+    cwd: Path
+    result: subprocess.CompletedProcess
+
+
+def _run_case(case: Case, tmp: Path, sources: Sources) -> Outcome | None:
     prefix = unprivileged() if case.unprivileged else []
-    cwd = case.prepare(tmp_path, sources)
+    if prefix is None:
+        return None
+    cwd = case.prepare(tmp, sources)
     try:
-        result = moetrain(case.args(tmp_path), cwd, prefix)
+        result = moetrain(case.args(tmp), cwd, prefix)
     finally:
-        for path in [tmp_path, *tmp_path.rglob("*")]:  # let pytest clean up what was locked
+        for path in [tmp, *tmp.rglob("*")]:  # let pytest clean up what was locked
             if path.is_dir() and not path.is_symlink():
                 path.chmod(path.stat().st_mode | stat.S_IRWXU)
+    return Outcome(tmp, cwd, result)
+
+
+@pytest.fixture(scope="module")
+def outcomes(tmp_path_factory, cifar10_root, mnist_root, finished_run) -> dict:
+    """Every case run once, two commands at a time (each is mostly Python starting up; CI has two
+    cores), each in a directory of its own."""
+    jobs = {}
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        for name, case in CASES.items():
+            sources = Sources(cifar10_root, mnist_root, finished_run if case.needs_run else None)
+            jobs[name] = pool.submit(_run_case, case, tmp_path_factory.mktemp("case"), sources)
+    return {name: job.result() for name, job in jobs.items()}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_bad_input_is_one_line_and_exit_2(name, outcomes):
+    case, outcome = CASES[name], outcomes[name]
+    if outcome is None:
+        pytest.skip("running as root without setpriv: permissions cannot be denied")
+    result, cwd = outcome.result, outcome.cwd
     assert result.returncode == 2, result.stderr
     assert "Traceback" not in result.stderr
     lines = result.stderr.splitlines()
@@ -285,7 +311,7 @@ def test_bad_input_is_one_line_and_exit_2(name, tmp_path, request, cifar10_root,
         assert text not in lines[0], (text, lines[0])
     if case.no_run_directory:
         assert not (cwd / "runs").exists(), list((cwd / "runs").rglob("*"))
-    case.check(tmp_path)
+    case.check(outcome.tmp)
 
 
 def test_help_into_a_closed_pipe_is_silent(tmp_path):
