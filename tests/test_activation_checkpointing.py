@@ -16,7 +16,10 @@ import torch.nn.functional as F
 from moetrain.models.lm import LMConfig, MoETransformerLM
 from moetrain.moe import layer as moe_layer_module
 from moetrain.moe import moe_layers, update_router_biases
+from moetrain.moe import Experts, MoELayer
+from moetrain.moe.experts import mark_expert
 from moetrain.moe.recompute import set_activation_checkpointing
+from moetrain.ops.grouped import expert_matmul
 
 GATES = {
     "top+jitter, padded": dict(gate="top", gate_kwargs={"jitter_eps": 0.2}, capacity_factor=1.0),
@@ -141,6 +144,49 @@ def test_selective_runs_the_closing_gemms_once(monkeypatch):
     assert calls == {"q_proj": blocks, "o_proj": blocks, "hidden": blocks, "project": blocks}
     (logits.square().mean() + sum(layer.aux_loss for layer in moe_layers(model))).backward()
     assert calls == {"q_proj": 2 * blocks, "o_proj": blocks, "hidden": 2 * blocks, "project": blocks}
+
+
+class WholeExperts(Experts):
+    """Custom experts with their own forward (a tanh MLP): recomputed whole."""
+
+    def __init__(self, num_experts, model_dim, hidden_size, activation="relu"):
+        super().__init__(num_experts, model_dim, hidden_size)
+        self.w_in = mark_expert(torch.nn.Parameter(torch.randn(num_experts, model_dim, hidden_size) * 0.3))
+        self.w_out = mark_expert(torch.nn.Parameter(torch.randn(num_experts, hidden_size, model_dim) * 0.3))
+
+    def forward(self, x_RD, counts_E, capacity):
+        h_RH = torch.tanh(expert_matmul(x_RD, self.w_in, counts_E, capacity))
+        return expert_matmul(h_RH, self.w_out, counts_E, capacity)
+
+
+class SplitExperts(WholeExperts):
+    """The same experts written as hidden + project: only the hidden part is recomputed."""
+
+    forward = Experts.forward
+
+    def hidden(self, x_RD, counts_E, capacity):
+        return torch.tanh(expert_matmul(x_RD, self.w_in, counts_E, capacity))
+
+    def project(self, h_RH, counts_E, capacity):
+        return expert_matmul(h_RH, self.w_out, counts_E, capacity)
+
+
+@pytest.mark.parametrize("experts", [WholeExperts, SplitExperts])
+def test_custom_experts_recompute_bit_identically(experts):
+    """Custom experts under selective: with their own forward (recomputed whole) or as hidden +
+    project (the hidden part alone); either way the same numbers as without checkpointing."""
+    torch.manual_seed(4)
+    layer = MoELayer(model_dim=8, num_experts=3, hidden_size=6, top_k=2, capacity_factor=0.0, expert=experts,
+                     impl="torch")
+    x = torch.randn(2, 5, 8, generator=torch.Generator().manual_seed(5))
+    runs = {}
+    for mode in ("none", "selective"):
+        model = copy.deepcopy(layer)
+        set_activation_checkpointing(model, mode)
+        inputs = x.clone().requires_grad_()
+        (model(inputs).square().sum() + model.aux_loss).backward()
+        runs[mode] = [inputs.grad] + [p.grad for p in model.parameters()]
+    assert_identical(runs["selective"], runs["none"], experts.__name__)
 
 
 def test_bad_mode_and_model_without_blocks_are_refused():
