@@ -228,7 +228,7 @@ def in_precision(layer: MoELayer, precision: str) -> Callable[[torch.Tensor], to
 def with_backend(call: Callable[[torch.Tensor], torch.Tensor], backend: str) -> Callable[[torch.Tensor], torch.Tensor]:
     """call with the packed layout's expert GEMMs on another backend (moetrain.ops.grouped)."""
     def run(x_TD: torch.Tensor) -> torch.Tensor:
-        saved = grouped._default_backend
+        saved = grouped.default_backend()
         grouped.set_default_backend(backend)
         try:
             return call(x_TD)

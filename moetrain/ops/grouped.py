@@ -47,6 +47,11 @@ def set_default_backend(backend: str) -> None:
     _default_backend = _check_backend(backend)
 
 
+def default_backend() -> str:
+    """The backend expert_matmul uses when called with backend="auto" (set_default_backend)."""
+    return _default_backend
+
+
 def padded_uses_bmm() -> bool:
     """Whether the padded layout's expert GEMMs run as bmm (the automatic choice) unless overridden."""
     return _default_backend in ("auto", "bmm")
