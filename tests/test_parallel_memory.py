@@ -49,6 +49,15 @@ def test_data_parallel_holds_everything(table):
     assert "| fsdp | 2 |" in text and "peak: CPU peak RSS growth" in text
 
 
+def test_cpu_offload_keeps_the_state_sizes():
+    """--cpu-offload moves the state to host memory; its size per rank is the same (one rank here:
+    on a CPU the offload only changes where FSDP keeps what it already keeps there)."""
+    offloaded = memory.run([1], ["fsdp"], PRESET, batch=1, seq_len=16, steps=1, overrides=OVERRIDES, backend="gloo",
+                           settings={"cpu_offload": True})
+    params, count = by_hand(1)
+    assert offloaded[(1, "fsdp")]["total"] == 4 * params + 4 * count
+
+
 def test_bad_arguments_are_one_line(capsys):
     with pytest.raises(SystemExit) as exit_info:
         memory.main(["--preset", "nope"])
@@ -56,3 +65,8 @@ def test_bad_arguments_are_one_line(capsys):
     with pytest.raises(SystemExit) as exit_info:
         memory.main(["--steps", "0"])
     assert exit_info.value.code == 2 and "--steps must be >= 1" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_info:
+        memory.main(["--cpu-offload", "--strategies", "data", "fsdp"])
+    assert exit_info.value.code == 2
+    assert "--cpu-offload applies to the fsdp strategies, not data: add --strategies fsdp fsdp_expert" in \
+        capsys.readouterr().err

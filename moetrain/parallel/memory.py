@@ -2,6 +2,7 @@
 
     python -m moetrain.parallel.memory                                   # qwen3_moe_tiny, W = 1, 2, 4, CPU/Gloo
     python -m moetrain.parallel.memory --preset moe_1b5 --world-sizes 1 2 4 8 --strategies fsdp fsdp_expert
+    python -m moetrain.parallel.memory --preset moe_1b5 --world-sizes 1 --strategies fsdp --cpu-offload --mixed-precision
 
 For each world size W and parallel strategy, W processes (Gloo on CPUs, NCCL when there are W GPUs)
 build the model, lay it out (moetrain.parallel.training.Distributed), take --steps training steps (forward,
@@ -15,7 +16,9 @@ backward, AdamW) on random tokens and report, per rank (the largest over ranks):
               of the process's peak resident set during the steps on a CPU (allocator-dependent:
               a rough figure, reported as such).
 
-W = 1 rows run the same strategy code on one rank. A strategy that cannot run at some W (experts that
+--cpu-offload and --mixed-precision (fsdp and fsdp_expert only) are parallel.cpu_offload and
+parallel.mixed_precision: with the first, the state counted above lives in host memory and the peak
+is what the GPU still needs. W = 1 rows run the same strategy code on one rank. A strategy that cannot run at some W (experts that
 do not divide over the ranks) prints its error in its row.
 """
 
@@ -58,8 +61,9 @@ def _peak_rss_bytes() -> int:
 
 
 def measure(strategy: str, preset: str, batch: int, seq_len: int, steps: int, device: torch.device,
-            overrides: dict | None = None) -> dict:
-    """One rank's figures (call on every rank of an initialised process group)."""
+            overrides: dict | None = None, settings: dict | None = None) -> dict:
+    """One rank's figures (call on every rank of an initialised process group). settings: more
+    ParallelConfig fields (cpu_offload, mixed_precision)."""
     from moetrain.config import OptimConfig, ParallelConfig
     from moetrain.models import build_lm
     from moetrain.moe import moe_layers
@@ -68,7 +72,7 @@ def measure(strategy: str, preset: str, batch: int, seq_len: int, steps: int, de
     torch.manual_seed(0)
     model = build_lm(preset, max_seq_len=seq_len, **(overrides or {})).to(device)
     vocab = model.config.vocab_size
-    processes = Distributed(ParallelConfig(nproc_per_node=dist.get_world_size(), strategy=strategy))
+    processes = Distributed(ParallelConfig(nproc_per_node=dist.get_world_size(), strategy=strategy, **(settings or {})))
     optimizer = processes.build_optimizer(model, OptimConfig(lr=1e-4))
     generator = torch.Generator().manual_seed(dist.get_rank())
     if device.type == "cuda":
@@ -94,12 +98,12 @@ def measure(strategy: str, preset: str, batch: int, seq_len: int, steps: int, de
 
 
 def worker(rank: int, world_size: int, out_dir: str, strategies: list[str], preset: str, batch: int, seq_len: int,
-           steps: int, overrides: dict) -> None:
+           steps: int, overrides: dict, settings: dict) -> None:
     device = torch.device("cuda", rank) if dist.get_backend() == "nccl" else torch.device("cpu")
     rows = {}
     for strategy in strategies:
         try:
-            figures = measure(strategy, preset, batch, seq_len, steps, device, overrides)
+            figures = measure(strategy, preset, batch, seq_len, steps, device, overrides, settings)
         except Exception as error:  # a strategy this W cannot run: its row says why, the others still run
             figures = {"error": f"{type(error).__name__}: {' '.join(str(error).split())[:120]}"}
         everyone = [None] * world_size
@@ -110,15 +114,17 @@ def worker(rank: int, world_size: int, out_dir: str, strategies: list[str], pres
 
 
 def run(world_sizes: list[int], strategies: list[str], preset: str = "qwen3_moe_tiny", batch: int = 2,
-        seq_len: int = 32, steps: int = 2, overrides: dict | None = None, backend: str | None = None) -> dict:
-    """{(W, strategy): largest figures over the ranks (or {"error": ...})}."""
+        seq_len: int = 32, steps: int = 2, overrides: dict | None = None, backend: str | None = None,
+        settings: dict | None = None) -> dict:
+    """{(W, strategy): largest figures over the ranks (or {"error": ...})}. settings: ParallelConfig
+    fields for every strategy (cpu_offload, mixed_precision: fsdp strategies only)."""
     from moetrain.parallel.launch import spawn
 
     table = {}
     for world in world_sizes:
         with tempfile.TemporaryDirectory() as out_dir:
-            spawn(worker, world, args=(out_dir, list(strategies), preset, batch, seq_len, steps, overrides or {}),
-                  backend=backend)
+            spawn(worker, world, args=(out_dir, list(strategies), preset, batch, seq_len, steps, overrides or {},
+                                       settings or {}), backend=backend)
             rows = torch.load(os.path.join(out_dir, "memory.pt"), weights_only=False)
         for strategy, ranks in rows.items():
             failed = next((figures for figures in ranks if "error" in figures), None)
@@ -151,7 +157,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seq-len", type=int, default=32)
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--backend", choices=("gloo", "nccl"), default=None, help="default: NCCL with GPUs, else Gloo")
+    parser.add_argument("--cpu-offload", action="store_true",
+                        help="parallel.cpu_offload: the state waits in host memory (fsdp strategies)")
+    parser.add_argument("--mixed-precision", action="store_true",
+                        help="parallel.mixed_precision: bf16 compute, fp32 state and reductions (fsdp strategies)")
     args = parser.parse_args(argv)
+    settings = {name: True for name in ("cpu_offload", "mixed_precision") if getattr(args, name)}
+    not_fsdp = [name for name in args.strategies if name not in ("fsdp", "fsdp_expert")]
+    if settings and not_fsdp:
+        flags = " ".join("--" + name.replace("_", "-") for name in settings)
+        parser.error(f"{flags} applies to the fsdp strategies, not {' '.join(not_fsdp)}: "
+                     "add --strategies fsdp fsdp_expert")
     for name in ("batch", "seq_len", "steps"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
@@ -162,7 +178,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.preset not in PRESETS:
         parser.error(f"--preset must be one of {', '.join(sorted(PRESETS))}, got {args.preset}")
     table = run(args.world_sizes, args.strategies, args.preset, args.batch, args.seq_len, args.steps,
-                backend=args.backend)
+                backend=args.backend, settings=settings)
     print(format_table(table))
     sys.stdout.flush()
 
