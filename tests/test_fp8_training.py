@@ -154,13 +154,19 @@ def test_three_gemms_are_fp32_gemms_of_the_dequantized_operands(device, rows, k,
     want_dx = _per_expert(_dequantized_rows(dy), _dequantized_weight(w.detach(), over=2).transpose(1, 2), all_counts)
     assert x.grad.dtype == torch.bfloat16 and w.grad.dtype == torch.float32
     assert _rel(x.grad, want_dx) < BF16_ULP
-    xs, dys = _dequantized_columns(x.detach(), all_counts), _dequantized_columns(dy, all_counts)
-    want_dw = torch.stack([a.t() @ b for a, b in zip(torch.split(xs, all_counts), torch.split(dys, all_counts))])
-    for e, count in enumerate(all_counts):
+    _assert_weight_gradient(w.grad, _dequantized_columns(x.detach(), all_counts), _dequantized_columns(dy, all_counts),
+                            all_counts)
+
+
+def _assert_weight_gradient(grad_w, xs, dys, counts) -> None:
+    """grad_w[e] against xs_e^T @ dys_e over expert e's rows (the dequantized operands, fp32), within
+    bf16 rounding; an expert without rows gets zeros."""
+    want = torch.stack([a.t() @ b for a, b in zip(torch.split(xs, counts), torch.split(dys, counts))])
+    for e, count in enumerate(counts):
         if count:
-            assert _rel(w.grad[e], want_dw[e]) < BF16_ULP, f"expert {e}"
+            assert _rel(grad_w[e], want[e]) < BF16_ULP, f"expert {e}"
         else:
-            assert not w.grad[e].any()
+            assert not grad_w[e].any()
 
 
 # ---------------------------------------------------------------- fp8_block
@@ -268,13 +274,8 @@ def test_block_gemms_are_fp32_gemms_of_the_dequantized_operands(device, rows, k,
     want_dx = _per_expert(_reference_dequantized(dy, (1, 128)), w_blocks.transpose(1, 2), all_counts)
     assert x.grad.dtype == torch.bfloat16 and w.grad.dtype == torch.float32
     assert _rel(x.grad, want_dx) < BF16_ULP
-    xs, dys = _reference_dequantized(x, (128, 1)), _reference_dequantized(dy, (128, 1))
-    want_dw = torch.stack([a.t() @ b for a, b in zip(torch.split(xs, all_counts), torch.split(dys, all_counts))])
-    for e, count in enumerate(all_counts):
-        if count:
-            assert _rel(w.grad[e], want_dw[e]) < BF16_ULP, f"expert {e}"
-        else:
-            assert not w.grad[e].any()
+    _assert_weight_gradient(w.grad, _reference_dequantized(x, (128, 1)), _reference_dequantized(dy, (128, 1)),
+                            all_counts)
 
 
 def test_rowwise_gemms_choice_is_checked():

@@ -121,10 +121,11 @@ def main(argv=None) -> dict:
     if args.compile:
         for block in model.blocks:
             block.compile()
+    loss_fn = torch.compile(next_token_loss) if args.compile else next_token_loss
     result = {"preset": args.preset, "device": str(args.device), "dtype": args.dtype, "impl": args.impl,
-              "compile": args.compile,
-              "precision": args.precision, "activation_checkpointing": args.activation_checkpointing, **measure(model, args.batch_size, args.seq_len, args.steps, args.warmup,
-                        loss_fn=torch.compile(next_token_loss) if args.compile else next_token_loss)}
+              "compile": args.compile, "precision": args.precision,
+              "activation_checkpointing": args.activation_checkpointing,
+              **measure(model, args.batch_size, args.seq_len, args.steps, args.warmup, loss_fn=loss_fn)}
     if result["device"].startswith("cuda"):
         result["device_name"] = torch.cuda.get_device_name()
         result["max_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30

@@ -215,12 +215,10 @@ def _quantize_transposed(x_RC: torch.Tensor, num_experts: int, counts_E: torch.T
         ends_E = torch.cumsum(counts_E, 0, dtype=torch.int32)
         padded_ends_E = padded_ends(counts_E)
         expert_R = expert_of_rows(counts_E, rows)
+        rows_per_matrix = 1
     else:
         ends_E = padded_ends_E = expert_R = amax_EC  # unread
-    if packed:
-        rows_per_matrix = 1
-    elif rows_per_matrix is None:
-        rows_per_matrix = rows // num_experts
+        rows_per_matrix = rows_per_matrix or rows // num_experts
     with torch.cuda.device(x_RC.device):
         _column_amax_kernel[grid](x_RC, expert_R, amax_EC, rows, cols, rows_per_matrix, PACKED=packed,
                                   BLOCK_R=_BLOCK_R, BLOCK_C=_BLOCK_C, num_warps=4)
@@ -375,14 +373,15 @@ def rows_matmul(xq_RK, x_scale_R, wq_ENK, w_scale_EN, counts_E) -> torch.Tensor:
     """y[r] = (xq[r] * x_scale[r]) @ (wq[e] * w_scale[e, :, None]).T for each row's expert e -> bf16 [R, N]."""
     if xq_RK.size(0) == 0:
         return torch.zeros(0, wq_ENK.size(1), dtype=torch.bfloat16, device=xq_RK.device)
-    if xq_RK.is_cuda and _triton_rows(xq_RK.size(1)):
-        from moetrain.ops import triton_grouped  # noqa: PLC0415 - Triton is imported on first use
-
-        return triton_grouped.grouped_mm(xq_RK, wq_ENK.transpose(1, 2), group_ends(counts_E, xq_RK.size(0), xq_RK.device),
-                                         a_scale=x_scale_R, b_scale=w_scale_EN)
     if xq_RK.is_cuda:
-        return torch._scaled_grouped_mm(xq_RK, wq_ENK.transpose(1, 2), x_scale_R, w_scale_EN,
-                                        offs=group_ends(counts_E, xq_RK.size(0), xq_RK.device), out_dtype=torch.bfloat16)
+        ends_E = group_ends(counts_E, xq_RK.size(0), xq_RK.device)
+        if _triton_rows(xq_RK.size(1)):
+            from moetrain.ops import triton_grouped  # noqa: PLC0415 - Triton is imported on first use
+
+            return triton_grouped.grouped_mm(xq_RK, wq_ENK.transpose(1, 2), ends_E, a_scale=x_scale_R,
+                                             b_scale=w_scale_EN)
+        return torch._scaled_grouped_mm(xq_RK, wq_ENK.transpose(1, 2), x_scale_R, w_scale_EN, offs=ends_E,
+                                        out_dtype=torch.bfloat16)
     x_RK = xq_RK.float() * x_scale_R.unsqueeze(1)
     w_EKN = (wq_ENK.float() * w_scale_EN.unsqueeze(2)).transpose(1, 2)
     return expert_matmul(x_RK, w_EKN, counts_E, None, backend="loop").to(torch.bfloat16)
@@ -393,15 +392,16 @@ def columns_matmul(aq_KP, a_scale_EK, bq_NP, b_scale_EN, counts_E) -> torch.Tens
     and B_e likewise -> bf16 [E, K, N]."""
     if aq_KP.size(1) == 0:
         return torch.zeros(counts_E.numel(), aq_KP.size(0), bq_NP.size(0), dtype=torch.bfloat16, device=aq_KP.device)
-    if aq_KP.is_cuda and _triton_columns(counts_E.numel(), aq_KP.size(1)):
-        from moetrain.ops import triton_grouped  # noqa: PLC0415
-
-        return triton_grouped.grouped_mm_wgrad(aq_KP.t(), bq_NP.t(), padded_ends(counts_E), a_scale=a_scale_EK,
-                                               b_scale=b_scale_EN, out_dtype=torch.bfloat16)
+    ends_E = padded_ends(counts_E)
     if aq_KP.is_cuda:
+        if _triton_columns(counts_E.numel(), aq_KP.size(1)):
+            from moetrain.ops import triton_grouped  # noqa: PLC0415 - Triton is imported on first use
+
+            return triton_grouped.grouped_mm_wgrad(aq_KP.t(), bq_NP.t(), ends_E, a_scale=a_scale_EK,
+                                                   b_scale=b_scale_EN, out_dtype=torch.bfloat16)
         return torch._scaled_grouped_mm(aq_KP, bq_NP.t(), a_scale_EK.reshape(-1), b_scale_EN.reshape(-1),
-                                        offs=padded_ends(counts_E), out_dtype=torch.bfloat16)
-    ends = padded_ends(counts_E).tolist()
+                                        offs=ends_E, out_dtype=torch.bfloat16)
+    ends = ends_E.tolist()
     starts = [0] + ends[:-1]
     a_KP, b_NP = aq_KP.float(), bq_NP.float()
     dw = [(a_KP[:, s:t] * a_scale_EK[e].unsqueeze(1)) @ (b_NP[:, s:t] * b_scale_EN[e].unsqueeze(1)).t()
@@ -418,7 +418,7 @@ def block_rows_matmul(aq_RK, a_scale_RKb, bq_EKN, b_scale_EKbNb, counts_E) -> to
     if rows == 0:
         return torch.zeros(0, n, dtype=torch.bfloat16, device=aq_RK.device)
     if aq_RK.is_cuda:
-        from moetrain.ops import triton_grouped  # noqa: PLC0415 - optional kernel module, CUDA only
+        from moetrain.ops import triton_grouped  # noqa: PLC0415 - Triton is imported on first use
 
         return triton_grouped.grouped_mm(aq_RK, bq_EKN, group_ends(counts_E, rows, aq_RK.device), a_scale=a_scale_RKb,
                                          b_scale=b_scale_EKbNb, block=FP8_BLOCK, out_dtype=torch.bfloat16)
@@ -436,7 +436,7 @@ def block_columns_matmul(aq_RK, a_scale_RbK, bq_RN, b_scale_RbN, counts_E) -> to
     if rows == 0:
         return torch.zeros(num_experts, k, n, dtype=torch.bfloat16, device=aq_RK.device)
     if aq_RK.is_cuda:
-        from moetrain.ops import triton_grouped  # noqa: PLC0415 - optional kernel module, CUDA only
+        from moetrain.ops import triton_grouped  # noqa: PLC0415 - Triton is imported on first use
 
         return triton_grouped.grouped_mm_wgrad(aq_RK, bq_RN, group_ends(counts_E, rows, aq_RK.device),
                                                a_scale=a_scale_RbK, b_scale=b_scale_RbN, block=FP8_BLOCK,
