@@ -18,8 +18,10 @@ backward, AdamW) on random tokens and report, per rank (the largest over ranks):
 
 --cpu-offload and --mixed-precision (fsdp and fsdp_expert only) are parallel.cpu_offload and
 parallel.mixed_precision: with the first, the state counted above lives in host memory and the peak
-is what the GPU still needs. W = 1 rows run the same strategy code on one rank. A strategy that cannot run at some W (experts that
-do not divide over the ranks) prints its error in its row.
+is what the GPU still needs.
+
+W = 1 rows run the same strategy code on one rank. A strategy that cannot run at some W (experts
+that do not divide over the ranks) prints its error in its row.
 """
 
 from __future__ import annotations
