@@ -282,3 +282,24 @@ def test_the_comparison_can_fail(tmp_path, one_process):
     for step, (got, want) in enumerate(zip(steps[1:], reference[1:]), start=2):
         worst = max(abs(a - b) / abs(b) for a, b in zip(got, want))
         assert worst > 10 * TOLERANCE, (step, got, want)
+
+
+def offload_worker(rank: int, world_size: int, out_dir: str) -> None:
+    results = {}
+    for name, offload in (("state on the GPU", False), ("state offloaded", True)):
+        trainer = tiny_trainer(Path(out_dir) / name.replace(" ", "_"), world_size,
+                               Distributed(ParallelConfig(nproc_per_node=world_size, strategy="fsdp", cpu_offload=offload)),
+                               max_steps=5, device=Device.cuda, precision=Precision.fp32)
+        results[name] = record_steps(trainer)
+        trainer.fit()
+    torch.save(results, Path(out_dir) / f"offload{rank}.pt")
+
+
+@pytest.mark.cuda
+def test_cpu_offload_trains_like_the_state_on_the_gpu(tmp_path):
+    """parallel.cpu_offload=true on a GPU under NCCL: the gradients wait in host memory while the
+    group reduces CUDA tensors only (the gradient norm's all-reduce failed there), and the run takes
+    the steps of the same run with its state on the GPU (the optimizer steps on the CPU instead)."""
+    spawn(offload_worker, 1, args=(str(tmp_path),), backend="nccl")
+    results = torch.load(tmp_path / "offload0.pt")
+    assert_close(results["state offloaded"], results["state on the GPU"])

@@ -173,6 +173,9 @@ def global_grad_norm(parameters: list[nn.Parameter], max_norm: float) -> torch.T
     for grad in grads:
         if grad.numel():
             squares += torch.linalg.vector_norm(grad.float()) ** 2
+    if squares.device.type == "cpu" and dist.get_backend() == "nccl":
+        # cpu_offload keeps the gradients in host memory, and an NCCL group reduces CUDA tensors only
+        squares = squares.to(torch.device("cuda", torch.cuda.current_device()))
     dist.all_reduce(squares)
     total = squares.sqrt()
     grads = [grad for grad in grads if grad.numel()]
