@@ -12,6 +12,10 @@ layer in full precision within the bound E4M3's 3-bit mantissa allows. On a GPU 
 """
 
 import math
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -101,6 +105,60 @@ def test_column_quantization_is_the_format_per_expert_column(device, rows, cols,
         assert not q_CP[:, padded_start + count:padded_start + pad].float().any(), "padding columns must be zero"
         start += count
         padded_start += pad
+
+
+def _exact_values(rows: int, cols: int, group_starts) -> torch.Tensor:
+    """E4M3 values times a power of two per column, and 448 times it (either sign) in each group's
+    first row: each group's scale is that power of two and every quotient is exact. Triton's
+    interpreter rounds to E4M3 wrongly (1.98 becomes 1.0), so its checks leave out the rounding
+    (the CUDA tests check it) and test where each value and scale lands."""
+    codes = torch.randint(0, 256, (rows, cols), dtype=torch.uint8)
+    codes[(codes & 0x7F) == 0x7F] = 0  # no NaN
+    power = 2.0 ** torch.randint(-6, 7, (cols,)).float()
+    x = codes.view(torch.float8_e4m3fn).float() * power
+    for start in group_starts:
+        if start < rows:
+            x[start] = 448 * power * torch.where(torch.rand(cols) < 0.5, -1.0, 1.0)
+    return x
+
+
+def transposed_interpreter_checks() -> None:
+    """The transposing quantizers' Triton kernels against the CPU paths (run under TRITON_INTERPRET=1
+    by the test below): the per-expert columns with empty, short and tile-crossing experts and
+    extra places past the last one, the weights' columns over K, the 128x1 tiles."""
+    torch.manual_seed(0)
+    for counts in ([20, 0, 33, 7, 0], [0, 45], [37], [1], [130, 3, 0, 70], []):
+        starts = torch.tensor([0] + counts).cumsum(0)[:-1].tolist()
+        for cols in (48, 200):
+            x = _exact_values(sum(counts), cols, starts).to(torch.bfloat16)
+            counts_E = torch.tensor(counts, dtype=torch.int64)
+            for extra in (0, 32):
+                places = (int(training.padded_ends(counts_E)[-1]) if counts else 0) + extra
+                got_q, got_scale = training._quantize_columns_triton(x, counts_E, places)
+                want_q, want_scale = training.quantize_columns(x, counts_E, places)
+                assert torch.equal(got_q.view(torch.uint8), want_q.view(torch.uint8)), (counts, cols, extra)
+                assert torch.equal(got_scale, want_scale), (counts, cols, extra)
+    w = _exact_values(3 * 70, 50, [0, 70, 140]).view(3, 70, 50)  # groups: each expert's K rows of a column
+    got_q, got_scale = training._quantize_weight_columns_triton(w)
+    want_q, want_scale = training.quantize_weight(w, over=1)
+    assert torch.equal(got_q.view(torch.uint8), want_q.view(torch.uint8)) and torch.equal(got_scale, want_scale)
+    for rows in (300, 128, 5):
+        x = _exact_values(rows, 40, range(0, rows, 128)).to(torch.bfloat16)
+        got_q, got_scale = training._quantize_column_tiles_triton(x)
+        want_q, want_scale = training.quantize_column_tiles(x)
+        assert torch.equal(got_q.view(torch.uint8), want_q.view(torch.uint8)), rows
+        assert torch.equal(got_scale, want_scale), rows
+    print("ok")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CUDA tests run the kernels there, rounding included")
+def test_transposing_quantizers_in_the_interpreter():
+    pytest.importorskip("triton")
+    command = ("import sys; sys.path.insert(0, 'tests'); import test_fp8_training as t; "
+               "t.transposed_interpreter_checks()")
+    result = subprocess.run([sys.executable, "-c", command], cwd=Path(__file__).resolve().parents[1],
+                            env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stdout[-2000:] + result.stderr[-4000:]
 
 
 @pytest.mark.parametrize("device", DEVICES)

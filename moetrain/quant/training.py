@@ -49,6 +49,8 @@ E experts, P rows padded per expert to multiples of ALIGN; Kb, Nb, Rb those dims
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from moetrain.ops.grouped import expert_matmul, expert_of_rows, group_ends
@@ -169,74 +171,111 @@ if triton is not None:
             tl.atomic_max(amax_ptr + e * C + cols, mine, mask=col_ok, sem="relaxed")
 
     @triton.jit
-    def _quantize_transposed_kernel(x_ptr, expert_ptr, ends_ptr, padded_ends_ptr, amax_ptr, q_ptr, scale_ptr, R, C,
-                                    rows_per_matrix, stride_qe, stride_qc, PACKED: tl.constexpr,
-                                    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
-        """q[c, at(r)] = x[r, c] / scale[e(r), c] in E4M3, scale = amax / 448 (1 for a zero column,
-        NaN for a non-finite one): formats.fp8_scale and e4m3_encode's arithmetic (IEEE division,
-        saturation, round to nearest even). at(r): PACKED, the row's place among its expert's rows
-        padded to ALIGN (q is one [C, P]); otherwise its place in its matrix, written at
-        e * stride_qe + c * stride_qc + place ([E, C, rows] for weights, [C, R] for 128x1 tiles)."""
-        rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-        cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-        row_ok, col_ok = rows < R, cols < C
+    def _quantize_transposed_kernel(x_ptr, block_expert_ptr, ends_ptr, padded_ends_ptr, amax_ptr, q_ptr, scale_ptr,
+                                    R, C, P, E, rows_per_matrix, stride_qe, stride_qc, PACKED: tl.constexpr,
+                                    ALIGN_ROWS: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr):
+        """q[c, p] = x[row(p), c] / scale[e, c] in E4M3, scale = amax / 448 (1 for a zero column, NaN
+        for a non-finite one): formats.fp8_scale and e4m3_encode's arithmetic (IEEE division,
+        saturation, round to nearest even). One program per tile of output places p and columns, so
+        that each column's places are stored contiguously (a tile walked by input rows scatters
+        single bytes C apart). PACKED: p runs over the [C, P] layout where expert e's rows sit at
+        padded_ends[e-1] ... and zeros fill each expert's places up to padded_ends[e] and everything
+        past the last expert (block_expert: the expert of each ALIGN_ROWS places, E past the last);
+        otherwise program 0 is a matrix e of rows_per_matrix stacked rows (the last may be shorter),
+        its row p written at e * stride_qe + c * stride_qc + p ([E, C, rows] for weights, [C, R]
+        for 128x1 tiles)."""
+        cols = tl.program_id(2) * BLOCK_C + tl.arange(0, BLOCK_C)
+        col_ok = cols < C
+        if PACKED:
+            places = tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)
+            in_range = places < P
+            expert = tl.load(block_expert_ptr + places // ALIGN_ROWS, mask=in_range, other=E)
+            has_expert = expert < E
+            later = has_expert & (expert > 0)
+            start = tl.load(ends_ptr + expert - 1, mask=later, other=0)
+            rows = places - tl.load(padded_ends_ptr + expert - 1, mask=later, other=0) + start
+            row_ok = has_expert & (rows < tl.load(ends_ptr + expert, mask=has_expert, other=0))
+            store_ok = in_range[:, None] & col_ok[None, :]  # padding places are written as zeros
+            out = cols.to(tl.int64)[None, :] * stride_qc + places[:, None]
+            first = row_ok & (rows == start)
+        else:
+            matrix = tl.program_id(0)
+            places = tl.program_id(1) * BLOCK_P + tl.arange(0, BLOCK_P)
+            rows = matrix * rows_per_matrix + places
+            row_ok = (places < rows_per_matrix) & (rows < R)
+            expert = tl.zeros([BLOCK_P], tl.int32) + matrix
+            store_ok = row_ok[:, None] & col_ok[None, :]
+            out = matrix.to(tl.int64) * stride_qe + cols.to(tl.int64)[None, :] * stride_qc + places[:, None]
+            first = row_ok & (places == 0)
         mask = row_ok[:, None] & col_ok[None, :]
         x = tl.load(x_ptr + rows.to(tl.int64)[:, None] * C + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        expert = _row_experts(expert_ptr, rows, row_ok, rows_per_matrix, PACKED)
-        amax = tl.load(amax_ptr + expert[:, None] * C + cols[None, :], mask=mask, other=0.0)
+        lowest = tl.min(expert)
+        if lowest == tl.max(expert):  # one expert's tile (the common case): one row of amax, not a gather
+            amax = tl.broadcast_to(tl.load(amax_ptr + lowest * C + cols, mask=col_ok & (lowest < E), other=0.0)[None, :],
+                                   (BLOCK_P, BLOCK_C))
+        else:
+            amax = tl.load(amax_ptr + expert[:, None] * C + cols[None, :], mask=mask, other=0.0)
         scale = tl.where(amax > 0, tl.math.div_rn(amax, tl.full(amax.shape, _E4M3_MAX, tl.float32)), 1.0)
         scale = tl.where(amax < float("inf"), scale, float("nan"))
-        if PACKED:
-            start = tl.load(ends_ptr + expert - 1, mask=row_ok & (expert > 0), other=0)
-            at = rows - start + tl.load(padded_ends_ptr + expert - 1, mask=row_ok & (expert > 0), other=0)
-            offsets = cols.to(tl.int64)[None, :] * stride_qc + at[:, None]
-        else:
-            start = expert * rows_per_matrix
-            offsets = expert.to(tl.int64)[:, None] * stride_qe + cols.to(tl.int64)[None, :] * stride_qc + (rows - start)[:, None]
         scaled = tl.clamp(tl.math.div_rn(x, scale), -_E4M3_MAX, _E4M3_MAX, propagate_nan=tl.PropagateNan.ALL)
-        tl.store(q_ptr + offsets, scaled.to(tl.float8e4nv).to(tl.uint8, bitcast=True), mask=mask)
-        first_row_of_expert = mask & (rows == start)[:, None]
-        tl.store(scale_ptr + expert[:, None] * C + cols[None, :], scale, mask=first_row_of_expert)
+        tl.store(q_ptr + out, scaled.to(tl.float8e4nv).to(tl.uint8, bitcast=True), mask=store_ok)
+        tl.store(scale_ptr + expert[:, None] * C + cols[None, :], scale, mask=first[:, None] & col_ok[None, :])
 
 
-_BLOCK_R, _BLOCK_C = 64, 128
+_BLOCK_R, _BLOCK_C = 64, 128  # the column amax's tiles (rows x columns)
+_BLOCK_P = 64  # places (output rows of q's transposed layout) per quantizing tile
 
 
 def _quantize_transposed(x_RC: torch.Tensor, num_experts: int, counts_E: torch.Tensor | None, q: torch.Tensor,
                          scale_EC: torch.Tensor, stride_qe: int, stride_qc: int, rows_per_matrix: int | None = None) -> None:
     """Launch the two kernels above: per-(expert, column) amax, then quantize and write transposed.
-    counts_E: the packed layout's rows per expert; None: x is num_experts matrices of rows_per_matrix
-    rows stacked (default R / num_experts; the last one may be shorter)."""
+    counts_E: the packed layout's rows per expert (q is [C, P], P = q.size(1), written whole);
+    None: x is num_experts matrices of rows_per_matrix rows stacked (default R / num_experts; the
+    last one may be shorter)."""
     rows, cols = x_RC.shape
     amax_EC = torch.zeros(num_experts, cols, dtype=torch.float32, device=x_RC.device)
-    grid = (triton.cdiv(rows, _BLOCK_R), triton.cdiv(cols, _BLOCK_C))
     packed = counts_E is not None
+    column_tiles = triton.cdiv(cols, _BLOCK_C)
     if packed:
         ends_E = torch.cumsum(counts_E, 0, dtype=torch.int32)
         padded_ends_E = padded_ends(counts_E)
         expert_R = expert_of_rows(counts_E, rows)
+        places = q.size(1)
+        block_expert = torch.searchsorted(padded_ends_E, torch.arange(0, places, ALIGN, device=x_RC.device,
+                                                                      dtype=torch.int32), right=True, out_int32=True)
         rows_per_matrix = 1
+        quantize_grid = (triton.cdiv(places, _BLOCK_P), 1, column_tiles)
     else:
-        ends_E = padded_ends_E = expert_R = amax_EC  # unread
+        ends_E = padded_ends_E = expert_R = block_expert = amax_EC  # unread
+        places = 0
         rows_per_matrix = rows_per_matrix or rows // num_experts
-    with torch.cuda.device(x_RC.device):
-        _column_amax_kernel[grid](x_RC, expert_R, amax_EC, rows, cols, rows_per_matrix, PACKED=packed,
-                                  BLOCK_R=_BLOCK_R, BLOCK_C=_BLOCK_C, num_warps=4)
-        _quantize_transposed_kernel[grid](
-            x_RC, expert_R, ends_E, padded_ends_E, amax_EC, q, scale_EC, rows, cols, rows_per_matrix, stride_qe,
-            stride_qc, PACKED=packed, BLOCK_R=_BLOCK_R, BLOCK_C=_BLOCK_C, num_warps=4)
+        quantize_grid = (num_experts, triton.cdiv(rows_per_matrix, _BLOCK_P), column_tiles)
+    with torch.cuda.device(x_RC.device) if x_RC.is_cuda else contextlib.nullcontext():  # CPU: the interpreter
+        _column_amax_kernel[(triton.cdiv(rows, _BLOCK_R), column_tiles)](
+            x_RC, expert_R, amax_EC, rows, cols, rows_per_matrix, PACKED=packed, BLOCK_R=_BLOCK_R, BLOCK_C=_BLOCK_C,
+            num_warps=4)
+        _quantize_transposed_kernel[quantize_grid](
+            x_RC, block_expert, ends_E, padded_ends_E, amax_EC, q, scale_EC, rows, cols, places, num_experts,
+            rows_per_matrix, stride_qe, stride_qc, PACKED=packed, ALIGN_ROWS=ALIGN, BLOCK_P=_BLOCK_P,
+            BLOCK_C=_BLOCK_C, num_warps=4)
+
+
+def _quantize_columns_triton(x_RC: torch.Tensor, counts_E: torch.Tensor, padded_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """quantize_columns by the Triton kernels (CUDA, or the interpreter on CPU tensors in the tests)."""
+    cols, num_experts = x_RC.size(1), counts_E.numel()
+    q_CP = torch.empty(cols, padded_rows, dtype=torch.uint8, device=x_RC.device)
+    # ones: the scale of an expert without rows (the kernel writes a scale at each expert's first row)
+    scale_EC = torch.ones(num_experts, cols, dtype=torch.float32, device=x_RC.device)
+    if num_experts and cols and x_RC.size(0):
+        _quantize_transposed(x_RC, num_experts, counts_E, q_CP, scale_EC, 0, padded_rows)  # padding: zeros
+    else:
+        q_CP.zero_()
+    return q_CP.view(torch.float8_e4m3fn), scale_EC
 
 
 @torch.library.custom_op("moetrain::fp8_quantize_columns", mutates_args=(), device_types="cuda")
 def _quantize_columns_cuda(x_RC: torch.Tensor, counts_E: torch.Tensor, padded_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
-    cols, num_experts = x_RC.size(1), counts_E.numel()
-    # zeros: the padding columns of every expert stay zero (the kernel writes only real rows)
-    q_CP = torch.zeros(cols, padded_rows, dtype=torch.uint8, device=x_RC.device)
-    # ones: the scale of an expert without rows (the kernel writes a scale at each expert's first row)
-    scale_EC = torch.ones(num_experts, cols, dtype=torch.float32, device=x_RC.device)
-    if num_experts and cols and x_RC.size(0):
-        _quantize_transposed(x_RC, num_experts, counts_E, q_CP, scale_EC, 0, padded_rows)
-    return q_CP.view(torch.float8_e4m3fn), scale_EC
+    return _quantize_columns_triton(x_RC, counts_E, padded_rows)
 
 
 @_quantize_columns_cuda.register_fake
@@ -246,17 +285,23 @@ def _(x_RC, counts_E, padded_rows):
             x_RC.new_empty(counts_E.numel(), cols, dtype=torch.float32))
 
 
+def _quantize_weight_columns_triton(w_EKN: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """quantize_weight(over=1) by the Triton kernels: values [E, N, K], scales [E, N]."""
+    num_experts, k, n = w_EKN.shape
+    q_ENK = torch.empty(num_experts, n, k, dtype=torch.uint8, device=w_EKN.device)
+    scale_EN = torch.ones(num_experts, n, dtype=torch.float32, device=w_EKN.device)
+    if w_EKN.numel():
+        _quantize_transposed(w_EKN.view(num_experts * k, n), num_experts, None, q_ENK, scale_EN, n * k, k)
+    return q_ENK.view(torch.float8_e4m3fn), scale_EN
+
+
 @torch.library.custom_op("moetrain::fp8_quantize_weight", mutates_args=(), device_types="cuda")
 def _quantize_weight_cuda(w_EKN: torch.Tensor, over: int) -> tuple[torch.Tensor, torch.Tensor]:
     num_experts, k, n = w_EKN.shape
     if over == 2:  # per row over N: each row of the stacked [E * K, N] is one scaling group
         q, scale = kernels.quantize_fp8(w_EKN.view(num_experts * k, n), n)
         return q.view(num_experts, k, n), scale.view(num_experts, k)
-    q_ENK = torch.empty(num_experts, n, k, dtype=torch.uint8, device=w_EKN.device)
-    scale_EN = torch.ones(num_experts, n, dtype=torch.float32, device=w_EKN.device)
-    if w_EKN.numel():
-        _quantize_transposed(w_EKN.view(num_experts * k, n), num_experts, None, q_ENK, scale_EN, n * k, k)
-    return q_ENK.view(torch.float8_e4m3fn), scale_EN
+    return _quantize_weight_columns_triton(w_EKN)
 
 
 @_quantize_weight_cuda.register_fake
@@ -307,8 +352,8 @@ def quantize_weight_blocks(w_EKN: torch.Tensor, k_contiguous: bool) -> tuple[tor
     return quantize_fp8_blocks(w_EKN)
 
 
-@torch.library.custom_op("moetrain::fp8_quantize_column_tiles", mutates_args=(), device_types="cuda")
-def _quantize_column_tiles_cuda(x_RC: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _quantize_column_tiles_triton(x_RC: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """quantize_column_tiles by the Triton kernels."""
     rows, cols = x_RC.shape
     blocks = -(-rows // FP8_BLOCK)
     # empty: every value and every scale is written (each block has at least one row)
@@ -318,6 +363,11 @@ def _quantize_column_tiles_cuda(x_RC: torch.Tensor) -> tuple[torch.Tensor, torch
         # the 128-row blocks as stacked matrices: row r of block i lands at q[c, 128 i + (r - 128 i)]
         _quantize_transposed(x_RC, blocks, None, q_CR, scale_RbC, FP8_BLOCK, rows, rows_per_matrix=FP8_BLOCK)
     return q_CR.view(torch.float8_e4m3fn), scale_RbC
+
+
+@torch.library.custom_op("moetrain::fp8_quantize_column_tiles", mutates_args=(), device_types="cuda")
+def _quantize_column_tiles_cuda(x_RC: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return _quantize_column_tiles_triton(x_RC)
 
 
 @_quantize_column_tiles_cuda.register_fake
