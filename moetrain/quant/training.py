@@ -193,11 +193,12 @@ if triton is not None:
             has_expert = expert < E
             later = has_expert & (expert > 0)
             start = tl.load(ends_ptr + expert - 1, mask=later, other=0)
-            rows = places - tl.load(padded_ends_ptr + expert - 1, mask=later, other=0) + start
+            padded_start = tl.load(padded_ends_ptr + expert - 1, mask=later, other=0)
+            rows = places - padded_start + start
             row_ok = has_expert & (rows < tl.load(ends_ptr + expert, mask=has_expert, other=0))
             store_ok = in_range[:, None] & col_ok[None, :]  # padding places are written as zeros
             out = cols.to(tl.int64)[None, :] * stride_qc + places[:, None]
-            first = row_ok & (rows == start)
+            first = places == padded_start
         else:
             matrix = tl.program_id(0)
             places = tl.program_id(1) * BLOCK_P + tl.arange(0, BLOCK_P)
@@ -206,20 +207,20 @@ if triton is not None:
             expert = tl.zeros([BLOCK_P], tl.int32) + matrix
             store_ok = row_ok[:, None] & col_ok[None, :]
             out = matrix.to(tl.int64) * stride_qe + cols.to(tl.int64)[None, :] * stride_qc + places[:, None]
-            first = row_ok & (places == 0)
+            first = places == 0
         mask = row_ok[:, None] & col_ok[None, :]
         x = tl.load(x_ptr + rows.to(tl.int64)[:, None] * C + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        # A tile of one expert (the common case) reads one row of amax; others gather it per place.
         lowest = tl.min(expert)
-        if lowest == tl.max(expert):  # one expert's tile (the common case): one row of amax, not a gather
-            amax = tl.broadcast_to(tl.load(amax_ptr + lowest * C + cols, mask=col_ok & (lowest < E), other=0.0)[None, :],
-                                   (BLOCK_P, BLOCK_C))
-        else:
-            amax = tl.load(amax_ptr + expert[:, None] * C + cols[None, :], mask=mask, other=0.0)
+        mixed = lowest != tl.max(expert)
+        amax_row = tl.load(amax_ptr + lowest * C + cols, mask=col_ok & (lowest < E), other=0.0)
+        amax_each = tl.load(amax_ptr + expert[:, None] * C + cols[None, :], mask=mask & mixed, other=0.0)
+        amax = tl.where(mixed, amax_each, amax_row[None, :])
         scale = tl.where(amax > 0, tl.math.div_rn(amax, tl.full(amax.shape, _E4M3_MAX, tl.float32)), 1.0)
         scale = tl.where(amax < float("inf"), scale, float("nan"))
         scaled = tl.clamp(tl.math.div_rn(x, scale), -_E4M3_MAX, _E4M3_MAX, propagate_nan=tl.PropagateNan.ALL)
         tl.store(q_ptr + out, scaled.to(tl.float8e4nv).to(tl.uint8, bitcast=True), mask=store_ok)
-        tl.store(scale_ptr + expert[:, None] * C + cols[None, :], scale, mask=first[:, None] & col_ok[None, :])
+        tl.store(scale_ptr + expert[:, None] * C + cols[None, :], scale, mask=mask & first[:, None])
 
 
 _BLOCK_R, _BLOCK_C = 64, 128  # the column amax's tiles (rows x columns)
