@@ -169,7 +169,8 @@ def test_a_killed_worker_ends_moetrain_with_one_line_naming_it_and_the_resume_co
     lines = stderr.strip().splitlines()
     assert len(lines) == 1, stderr
     (line,) = lines
-    assert line.startswith(f"moetrain: error: worker rank 1 (pid {pids[1]}) was killed by SIGKILL; "), line
+    assert line.startswith(f"moetrain: error: worker rank 1 (pid {pids[1]}) was killed by SIGKILL (out of host "
+                           "memory? the kernel's OOM killer sends it); "), line
     resume = line.split("continue from the last checkpoint with: ")[1]
     assert resume.startswith("moetrain +recipe=quickstart ") and resume.endswith(
         f"hydra.run.dir={run_dir} trainer.resume=auto"), resume

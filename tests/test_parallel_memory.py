@@ -70,3 +70,20 @@ def test_bad_arguments_are_one_line(capsys):
     assert exit_info.value.code == 2
     assert "--cpu-offload applies to the fsdp strategies, not data: add --strategies fsdp fsdp_expert" in \
         capsys.readouterr().err
+
+
+def test_a_killed_worker_is_one_line(monkeypatch):
+    """A worker the kernel kills (a model whose offloaded state outgrows host memory) ends the tool
+    with one line that says so, not a traceback."""
+    from moetrain.parallel import launch
+
+    killed = launch.WorkerExit(rank=0, pid=123, exitcode=-9)
+
+    def run(*args, **kwargs):
+        raise launch.WorkerFailed(killed, [killed], 60.0)
+
+    monkeypatch.setattr(memory, "run", run)
+    with pytest.raises(SystemExit) as exit_info:
+        memory.main(["--world-sizes", "1", "--strategies", "fsdp", "--cpu-offload"])
+    assert exit_info.value.code == ("python -m moetrain.parallel.memory: worker rank 0 (pid 123) was killed by "
+                                    "SIGKILL (out of host memory? the kernel's OOM killer sends it)")

@@ -144,6 +144,8 @@ class WorkerExit:
         who = f"worker rank {self.rank} (pid {self.pid})"
         if self.stopped:
             return f"{who} stopped responding" + (" (it was frozen, as by SIGSTOP)" if self.frozen else "")
+        if self.signal_name == "SIGKILL":  # what the kernel's out-of-memory killer sends
+            return f"{who} was killed by SIGKILL (out of host memory? the kernel's OOM killer sends it)"
         if self.signal_name:
             return f"{who} was killed by {self.signal_name}"
         if self.error_text:

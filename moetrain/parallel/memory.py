@@ -179,8 +179,13 @@ def main(argv: list[str] | None = None) -> None:
 
     if args.preset not in PRESETS:
         parser.error(f"--preset must be one of {', '.join(sorted(PRESETS))}, got {args.preset}")
-    table = run(args.world_sizes, args.strategies, args.preset, args.batch, args.seq_len, args.steps,
-                backend=args.backend, settings=settings)
+    from moetrain.parallel.launch import WorkerFailed
+
+    try:
+        table = run(args.world_sizes, args.strategies, args.preset, args.batch, args.seq_len, args.steps,
+                    backend=args.backend, settings=settings)
+    except WorkerFailed as failure:  # a worker killed (host memory) or hung: one line, not a traceback
+        sys.exit(f"python -m moetrain.parallel.memory: {failure.failed.describe()}")
     print(format_table(table))
     sys.stdout.flush()
 
