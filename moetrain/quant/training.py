@@ -171,19 +171,18 @@ if triton is not None:
             tl.atomic_max(amax_ptr + e * C + cols, mine, mask=col_ok, sem="relaxed")
 
     @triton.jit
-    def _quantize_transposed_kernel(x_ptr, block_expert_ptr, ends_ptr, padded_ends_ptr, amax_ptr, q_ptr, scale_ptr,
+    def _quantize_transposed_kernel(x_ptr, block_expert_ptr, ends_ptr, padded_ends_ptr, scale_ptr, q_ptr,
                                     R, C, P, E, rows_per_matrix, stride_qe, stride_qc, PACKED: tl.constexpr,
                                     ALIGN_ROWS: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr):
-        """q[c, p] = x[row(p), c] / scale[e, c] in E4M3, scale = amax / 448 (1 for a zero column, NaN
-        for a non-finite one): formats.fp8_scale and e4m3_encode's arithmetic (IEEE division,
-        saturation, round to nearest even). One program per tile of output places p and columns, so
-        that each column's places are stored contiguously (a tile walked by input rows scatters
-        single bytes C apart). PACKED: p runs over the [C, P] layout where expert e's rows sit at
-        padded_ends[e-1] ... and zeros fill each expert's places up to padded_ends[e] and everything
-        past the last expert (block_expert: the expert of each ALIGN_ROWS places, E past the last);
-        otherwise program 0 is a matrix e of rows_per_matrix stacked rows (the last may be shorter),
-        its row p written at e * stride_qe + c * stride_qc + p ([E, C, rows] for weights, [C, R]
-        for 128x1 tiles)."""
+        """q[c, p] = x[row(p), c] / scale[e, c] in E4M3: e4m3_encode's arithmetic (IEEE division,
+        saturation, round to nearest even) with the scales fp8_scale made. One program per tile of
+        output places p and columns, so that each column's places are stored contiguously (a tile
+        walked by input rows scatters single bytes C apart). PACKED: p runs over the [C, P] layout
+        where expert e's rows sit at padded_ends[e-1] ... and zeros fill each expert's places up to
+        padded_ends[e] and everything past the last expert (block_expert: the expert of each
+        ALIGN_ROWS places, E past the last); otherwise program 0 is a matrix e of rows_per_matrix
+        stacked rows (the last may be shorter), its row p written at e * stride_qe + c * stride_qc +
+        p ([E, C, rows] for weights, [C, R] for 128x1 tiles)."""
         cols = tl.program_id(2) * BLOCK_C + tl.arange(0, BLOCK_C)
         col_ok = cols < C
         if PACKED:
@@ -192,13 +191,11 @@ if triton is not None:
             expert = tl.load(block_expert_ptr + places // ALIGN_ROWS, mask=in_range, other=E)
             has_expert = expert < E
             later = has_expert & (expert > 0)
-            start = tl.load(ends_ptr + expert - 1, mask=later, other=0)
-            padded_start = tl.load(padded_ends_ptr + expert - 1, mask=later, other=0)
-            rows = places - padded_start + start
+            rows = (places - tl.load(padded_ends_ptr + expert - 1, mask=later, other=0)
+                    + tl.load(ends_ptr + expert - 1, mask=later, other=0))
             row_ok = has_expert & (rows < tl.load(ends_ptr + expert, mask=has_expert, other=0))
             store_ok = in_range[:, None] & col_ok[None, :]  # padding places are written as zeros
             out = cols.to(tl.int64)[None, :] * stride_qc + places[:, None]
-            first = places == padded_start
         else:
             matrix = tl.program_id(0)
             places = tl.program_id(1) * BLOCK_P + tl.arange(0, BLOCK_P)
@@ -207,20 +204,16 @@ if triton is not None:
             expert = tl.zeros([BLOCK_P], tl.int32) + matrix
             store_ok = row_ok[:, None] & col_ok[None, :]
             out = matrix.to(tl.int64) * stride_qe + cols.to(tl.int64)[None, :] * stride_qc + places[:, None]
-            first = places == 0
         mask = row_ok[:, None] & col_ok[None, :]
         x = tl.load(x_ptr + rows.to(tl.int64)[:, None] * C + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        # A tile of one expert (the common case) reads one row of amax; others gather it per place.
+        # A tile of one expert (the common case) reads one row of scales; others gather them per place.
         lowest = tl.min(expert)
         mixed = lowest != tl.max(expert)
-        amax_row = tl.load(amax_ptr + lowest * C + cols, mask=col_ok & (lowest < E), other=0.0)
-        amax_each = tl.load(amax_ptr + expert[:, None] * C + cols[None, :], mask=mask & mixed, other=0.0)
-        amax = tl.where(mixed, amax_each, amax_row[None, :])
-        scale = tl.where(amax > 0, tl.math.div_rn(amax, tl.full(amax.shape, _E4M3_MAX, tl.float32)), 1.0)
-        scale = tl.where(amax < float("inf"), scale, float("nan"))
+        scale_row = tl.load(scale_ptr + lowest * C + cols, mask=col_ok & (lowest < E), other=1.0)
+        scale_each = tl.load(scale_ptr + expert[:, None] * C + cols[None, :], mask=mask & mixed, other=1.0)
+        scale = tl.where(mixed, scale_each, scale_row[None, :])
         scaled = tl.clamp(tl.math.div_rn(x, scale), -_E4M3_MAX, _E4M3_MAX, propagate_nan=tl.PropagateNan.ALL)
         tl.store(q_ptr + out, scaled.to(tl.float8e4nv).to(tl.uint8, bitcast=True), mask=store_ok)
-        tl.store(scale_ptr + expert[:, None] * C + cols[None, :], scale, mask=mask & first[:, None])
 
 
 _BLOCK_R, _BLOCK_C = 64, 128  # the column amax's tiles (rows x columns)
@@ -228,11 +221,12 @@ _BLOCK_P = 64  # places (output rows of q's transposed layout) per quantizing ti
 
 
 def _quantize_transposed(x_RC: torch.Tensor, num_experts: int, counts_E: torch.Tensor | None, q: torch.Tensor,
-                         scale_EC: torch.Tensor, stride_qe: int, stride_qc: int, rows_per_matrix: int | None = None) -> None:
-    """Launch the two kernels above: per-(expert, column) amax, then quantize and write transposed.
-    counts_E: the packed layout's rows per expert (q is [C, P], P = q.size(1), written whole);
-    None: x is num_experts matrices of rows_per_matrix rows stacked (default R / num_experts; the
-    last one may be shorter)."""
+                         stride_qe: int, stride_qc: int, rows_per_matrix: int | None = None) -> torch.Tensor:
+    """Per-(expert, column) amax (a kernel), the scales from it (formats.fp8_scale: 1 for an expert
+    without rows or a zero column, NaN for a non-finite one), then quantize x into q transposed (a
+    kernel); returns the scales [E, C]. counts_E: the packed layout's rows per expert (q is [C, P],
+    P = q.size(1), written whole); None: x is num_experts matrices of rows_per_matrix rows stacked
+    (default R / num_experts; the last one may be shorter)."""
     rows, cols = x_RC.shape
     amax_EC = torch.zeros(num_experts, cols, dtype=torch.float32, device=x_RC.device)
     packed = counts_E is not None
@@ -255,22 +249,24 @@ def _quantize_transposed(x_RC: torch.Tensor, num_experts: int, counts_E: torch.T
         _column_amax_kernel[(triton.cdiv(rows, _BLOCK_R), column_tiles)](
             x_RC, expert_R, amax_EC, rows, cols, rows_per_matrix, PACKED=packed, BLOCK_R=_BLOCK_R, BLOCK_C=_BLOCK_C,
             num_warps=4)
+        # once per (expert, column), not per element: the kernel below divides each value only once
+        scale_EC = fp8_scale(amax_EC, amax_EC < float("inf"))  # the amax kernel's +Inf: a non-finite value
         _quantize_transposed_kernel[quantize_grid](
-            x_RC, block_expert, ends_E, padded_ends_E, amax_EC, q, scale_EC, rows, cols, places, num_experts,
+            x_RC, block_expert, ends_E, padded_ends_E, scale_EC, q, rows, cols, places, num_experts,
             rows_per_matrix, stride_qe, stride_qc, PACKED=packed, ALIGN_ROWS=ALIGN, BLOCK_P=_BLOCK_P,
             BLOCK_C=_BLOCK_C, num_warps=4)
+    return scale_EC
 
 
 def _quantize_columns_triton(x_RC: torch.Tensor, counts_E: torch.Tensor, padded_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
     """quantize_columns by the Triton kernels (CUDA, or the interpreter on CPU tensors in the tests)."""
     cols, num_experts = x_RC.size(1), counts_E.numel()
     q_CP = torch.empty(cols, padded_rows, dtype=torch.uint8, device=x_RC.device)
-    # ones: the scale of an expert without rows (the kernel writes a scale at each expert's first row)
-    scale_EC = torch.ones(num_experts, cols, dtype=torch.float32, device=x_RC.device)
     if num_experts and cols and x_RC.size(0):
-        _quantize_transposed(x_RC, num_experts, counts_E, q_CP, scale_EC, 0, padded_rows)  # padding: zeros
+        scale_EC = _quantize_transposed(x_RC, num_experts, counts_E, q_CP, 0, padded_rows)  # padding: zeros
     else:
         q_CP.zero_()
+        scale_EC = torch.ones(num_experts, cols, dtype=torch.float32, device=x_RC.device)  # experts without rows
     return q_CP.view(torch.float8_e4m3fn), scale_EC
 
 
@@ -290,9 +286,9 @@ def _quantize_weight_columns_triton(w_EKN: torch.Tensor) -> tuple[torch.Tensor, 
     """quantize_weight(over=1) by the Triton kernels: values [E, N, K], scales [E, N]."""
     num_experts, k, n = w_EKN.shape
     q_ENK = torch.empty(num_experts, n, k, dtype=torch.uint8, device=w_EKN.device)
-    scale_EN = torch.ones(num_experts, n, dtype=torch.float32, device=w_EKN.device)
-    if w_EKN.numel():
-        _quantize_transposed(w_EKN.view(num_experts * k, n), num_experts, None, q_ENK, scale_EN, n * k, k)
+    if not w_EKN.numel():
+        return q_ENK.view(torch.float8_e4m3fn), torch.ones(num_experts, n, dtype=torch.float32, device=w_EKN.device)
+    scale_EN = _quantize_transposed(w_EKN.view(num_experts * k, n), num_experts, None, q_ENK, n * k, k)
     return q_ENK.view(torch.float8_e4m3fn), scale_EN
 
 
@@ -357,12 +353,12 @@ def _quantize_column_tiles_triton(x_RC: torch.Tensor) -> tuple[torch.Tensor, tor
     """quantize_column_tiles by the Triton kernels."""
     rows, cols = x_RC.shape
     blocks = -(-rows // FP8_BLOCK)
-    # empty: every value and every scale is written (each block has at least one row)
+    # empty: every value is written (each block has at least one row)
     q_CR = torch.empty(cols, rows, dtype=torch.uint8, device=x_RC.device)
-    scale_RbC = torch.empty(blocks, cols, dtype=torch.float32, device=x_RC.device)
-    if rows and cols:
-        # the 128-row blocks as stacked matrices: row r of block i lands at q[c, 128 i + (r - 128 i)]
-        _quantize_transposed(x_RC, blocks, None, q_CR, scale_RbC, FP8_BLOCK, rows, rows_per_matrix=FP8_BLOCK)
+    if not (rows and cols):
+        return q_CR.view(torch.float8_e4m3fn), torch.empty(blocks, cols, dtype=torch.float32, device=x_RC.device)
+    # the 128-row blocks as stacked matrices: row r of block i lands at q[c, 128 i + (r - 128 i)]
+    scale_RbC = _quantize_transposed(x_RC, blocks, None, q_CR, FP8_BLOCK, rows, rows_per_matrix=FP8_BLOCK)
     return q_CR.view(torch.float8_e4m3fn), scale_RbC
 
 
