@@ -33,9 +33,11 @@ halves the rounding error E5M2 would add (DeepSeek-V3 trains with E4M3 gradients
 fine-grained scales for the same reason). Outputs round to bfloat16, as the tensor cores write
 them; dx and dw then take the dtype of x and w.
 
-On CUDA (sm90+), "fp8": the GEMMs are torch._scaled_grouped_mm: per-row scales, one launch for all
-experts; the weight gradient's operands are transposed and quantized per expert column by one
-Triton kernel that also pads each expert's rows to a multiple of 16 (the FP8 kernel's alignment).
+On CUDA (sm90+), "fp8": the GEMMs are torch._scaled_grouped_mm or moetrain.ops.triton_grouped's,
+whichever is faster and accurate enough there (set_rowwise_gemms); the weight gradient's operands
+are transposed and quantized per expert column by two Triton kernels (each expert's column maxima,
+then the values written transposed, each expert's rows padded to a multiple of 16, the FP8 GEMMs'
+alignment).
 "fp8_block": the GEMMs are moetrain.ops.triton_grouped's block-scaled grouped GEMMs; the 1x128 tiles
 are quantized by quant.kernels.quantize_fp8, the 128x1 tiles (transposed, rows contiguous) by the
 same Triton kernels as "fp8"'s columns, the 128x128 weight blocks by torch ops. On the CPU every
