@@ -47,7 +47,6 @@ import datetime
 import json
 import logging
 import time
-import warnings
 from dataclasses import asdict, dataclass
 from typing import Callable
 
@@ -57,7 +56,7 @@ import torch.nn.functional as F
 from moetrain import MoELayer
 from moetrain.ops import grouped, triton_grouped
 from moetrain.quant.training import fp8_supported
-from moetrain.timing import median_ms
+from moetrain.timing import median_ms, profile_table
 
 
 @dataclass(frozen=True)
@@ -313,28 +312,6 @@ def build_layer(shape: Shape, device: torch.device, dtype: torch.dtype, capacity
             layer.experts.b1.normal_(0, 0.02)
             layer.experts.b2.normal_(0, 0.02)
     return layer
-
-
-def profile_table(step: Callable[[], None], device: torch.device, rows: int = 15) -> str:
-    """The kernels of three steps, most time first, and the lines where a step waits for the GPU."""
-    activities = [torch.profiler.ProfilerActivity.CPU]
-    if device.type == "cuda":
-        activities.append(torch.profiler.ProfilerActivity.CUDA)
-    with torch.profiler.profile(activities=activities) as profiler:
-        for _ in range(3):
-            step()
-    sort_by = "cuda_time_total" if device.type == "cuda" else "cpu_time_total"
-    table = profiler.key_averages().table(sort_by=sort_by, row_limit=rows)
-    if device.type == "cuda":
-        # A host sync inside the step leaves the GPU idle while the host launches what follows.
-        torch.cuda.set_sync_debug_mode("warn")
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            step()
-        torch.cuda.set_sync_debug_mode("default")
-        syncs = sorted({f"{w.filename}:{w.lineno}" for w in caught if "synchroniz" in str(w.message)})
-        table += "\nhost syncs in one step: " + (", ".join(syncs) or "none")
-    return table
 
 
 def bench_shape(shape: Shape, device: torch.device, dtype: torch.dtype, capacity_factor: float, warmup: int,

@@ -7,13 +7,15 @@ On a GPU each timed call sits between two CUDA events, so the figure is the call
 its host time; with sync_each=False the calls are queued back to back and synchronised once at the
 end (the host may run ahead, as in training), with sync_each=True every call is waited for (calls
 whose host work must not overlap the next one). On a CPU the host clock times each call.
-peak_bf16_flops gives the device's dense bf16 peak that MFU figures divide by.
+peak_bf16_flops gives the device's dense bf16 peak that MFU figures divide by; profile_table the
+kernels of a few steps, most time first (the benchmarks' --profile).
 """
 
 from __future__ import annotations
 
 import statistics
 import time
+import warnings
 from typing import Callable
 
 import torch
@@ -61,3 +63,25 @@ def median_ms(step: Callable[[], object], device: torch.device | str, warmup: in
               sync_each: bool = False) -> float:
     """Median milliseconds of one call of step() (step_times_ms)."""
     return statistics.median(step_times_ms(step, device, warmup, steps, sync_each))
+
+
+def profile_table(step: Callable[[], None], device: torch.device, rows: int = 15) -> str:
+    """The kernels of three steps, most time first, and the lines where a step waits for the GPU."""
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=activities) as profiler:
+        for _ in range(3):
+            step()
+    sort_by = "cuda_time_total" if device.type == "cuda" else "cpu_time_total"
+    table = profiler.key_averages().table(sort_by=sort_by, row_limit=rows)
+    if device.type == "cuda":
+        # A host sync inside the step leaves the GPU idle while the host launches what follows.
+        torch.cuda.set_sync_debug_mode("warn")
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            step()
+        torch.cuda.set_sync_debug_mode("default")
+        syncs = sorted({f"{w.filename}:{w.lineno}" for w in caught if "synchroniz" in str(w.message)})
+        table += "\nhost syncs in one step: " + (", ".join(syncs) or "none")
+    return table

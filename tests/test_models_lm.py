@@ -162,3 +162,15 @@ def test_throughput_metrics(monkeypatch):
     monkeypatch.setattr(train_metrics, "peak_bf16_flops", lambda device: 1e12)
     metrics = train_metrics.training_throughput(model, 10.0, 32, "cuda", world_size=2)
     assert metrics["mfu"] == pytest.approx(160.0 * flops_per_token(model, 32) / 1e12)
+
+
+def test_throughput_profile_lists_the_step_s_operators(capsys):
+    """--profile prints the operators of three training steps (on a CPU the host's), with the
+    optimizer's among them: the profiled call is the whole step, not the forward alone."""
+    from moetrain.models import throughput
+
+    throughput.main(["--preset", "qwen3_moe_tiny", "--batch-size", "1", "--seq-len", "16", "--steps", "1",
+                     "--warmup", "0", "--device", "cpu", "--dtype", "float32", "--profile"])
+    printed = capsys.readouterr().out
+    table = printed.split("\n", 1)[1]  # after the JSON line
+    assert "Self CPU time total" in table and "Optimizer.step#AdamW.step" in table, table[-3000:]

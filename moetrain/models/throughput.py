@@ -1,6 +1,7 @@
 """Training throughput of a language-model preset: tokens/s and model FLOPs utilisation (MFU).
 
     python -m moetrain.models.throughput --preset moe_1b5 --batch-size 8 --seq-len 2048 --steps 20
+    python -m moetrain.models.throughput --preset moe_1b5 --batch-size 16 --compile --profile
 
 Each step is forward + backward + AdamW on random tokens (no data loading). The step time is the
 median over the timed steps after warm-up, measured with CUDA events on a GPU. MFU is
@@ -20,7 +21,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from moetrain.timing import median_ms, peak_bf16_flops
+from moetrain.timing import median_ms, peak_bf16_flops, profile_table
 from moetrain.models.anatomy import anatomy_table, step_anatomy
 from moetrain.models.lm import MoETransformerLM, flops_per_token, parameter_counts
 from moetrain.models.presets import PRESETS, build_lm
@@ -37,6 +38,20 @@ def next_token_loss(logits_BTV: torch.Tensor, tokens_BT: torch.Tensor) -> torch.
     return F.cross_entropy(logits_BTV.flatten(0, 1).float(), tokens_BT[:, 1:].flatten())
 
 
+def training_step(model: MoETransformerLM, optimizer: torch.optim.Optimizer, tokens_BT: torch.Tensor,
+                  loss_fn=next_token_loss) -> torch.Tensor:
+    """One step on tokens_BT [B, T + 1]: forward, next-token loss + the MoE layers' aux losses,
+    backward, optimizer step, router biases; returns the loss."""
+    logits_BTV = model(tokens_BT[:, :-1])
+    loss = loss_fn(logits_BTV, tokens_BT)
+    loss = loss + sum(layer.aux_loss for layer in moe_layers(model))
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    update_router_biases(model)
+    return loss
+
+
 def measure(model: MoETransformerLM, batch_size: int, seq_len: int, steps: int, warmup: int, lr: float = 1e-4,
             loss_fn=next_token_loss) -> dict:
     device = model.embed.weight.device
@@ -51,13 +66,7 @@ def measure(model: MoETransformerLM, batch_size: int, seq_len: int, steps: int, 
             start.record()
         else:
             started = time.perf_counter()
-        logits_BTV = model(tokens_BT[:, :-1])
-        loss = loss_fn(logits_BTV, tokens_BT)
-        loss = loss + sum(layer.aux_loss for layer in moe_layers(model))
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        update_router_biases(model)
+        loss = training_step(model, optimizer, tokens_BT, loss_fn)
         if on_gpu:
             end.record()
             end.synchronize()
@@ -104,6 +113,9 @@ def main(argv=None) -> dict:
     parser.add_argument("--anatomy", action="store_true",
                         help="also time each part of the step alone and print where the step's time goes "
                              "(moetrain.models.anatomy)")
+    parser.add_argument("--profile", action="store_true",
+                        help="also print the kernels of three steps as run (compiled too), most time first, and "
+                             "any host syncs in a step")
     args = parser.parse_args(argv)
     if args.compile and args.activation_checkpointing == "full":
         parser.error("--activation-checkpointing full cannot be compiled (torch.compile does not trace the routing "
@@ -138,6 +150,11 @@ def main(argv=None) -> dict:
     print(json.dumps(result))
     if args.anatomy:
         print(anatomy_table(result["anatomy"], result["step_ms"]))
+    if args.profile:
+        device = torch.device(args.device)
+        tokens_BT = torch.randint(0, model.config.vocab_size, (args.batch_size, args.seq_len + 1), device=device)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
+        print(profile_table(lambda: training_step(model, optimizer, tokens_BT, loss_fn), device, rows=30))
     return result
 
 
