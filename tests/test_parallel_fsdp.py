@@ -284,22 +284,34 @@ def test_the_comparison_can_fail(tmp_path, one_process):
         assert worst > 10 * TOLERANCE, (step, got, want)
 
 
-def offload_worker(rank: int, world_size: int, out_dir: str) -> None:
-    results = {}
-    for name, offload in (("state on the GPU", False), ("state offloaded", True)):
-        trainer = tiny_trainer(Path(out_dir) / name.replace(" ", "_"), world_size,
-                               Distributed(ParallelConfig(nproc_per_node=world_size, strategy="fsdp", cpu_offload=offload)),
-                               max_steps=5, device=Device.cuda, precision=Precision.fp32)
+def offload_worker(rank: int, world_size: int, out_dir: str, device: str) -> None:
+    results, out = {}, Path(out_dir)
+    device = Device(device)
+    offloaded = dict(strategy="fsdp", cpu_offload=True)
+    for name, settings, steps in (("state on the device", dict(strategy="fsdp"), 5), ("state offloaded", offloaded, 5),
+                                  ("offloaded, checkpointed", offloaded, 3)):
+        trainer = tiny_trainer(out / name.replace(" ", "_"), world_size,
+                               Distributed(ParallelConfig(nproc_per_node=world_size, **settings)), max_steps=steps,
+                               device=device, precision=Precision.fp32, async_checkpoint=name.endswith("checkpointed"))
         results[name] = record_steps(trainer)
         trainer.fit()
-    torch.save(results, Path(out_dir) / f"offload{rank}.pt")
+    trainer = tiny_trainer(out / "resumed", world_size, Distributed(ParallelConfig(nproc_per_node=world_size,
+                                                                                   **offloaded)),
+                           max_steps=5, device=device, precision=Precision.fp32,
+                           resume=str(out / "offloaded,_checkpointed" / "checkpoints" / "step_00000003"))
+    results["offloaded, resumed at step 3"] = record_steps(trainer)
+    trainer.fit()
+    torch.save(results, out / f"offload{rank}.pt")
 
 
-@pytest.mark.cuda
-def test_cpu_offload_trains_like_the_state_on_the_gpu(tmp_path):
-    """parallel.cpu_offload=true on a GPU under NCCL: the gradients wait in host memory while the
-    group reduces CUDA tensors only (the gradient norm's all-reduce failed there), and the run takes
-    the steps of the same run with its state on the GPU (the optimizer steps on the CPU instead)."""
-    spawn(offload_worker, 1, args=(str(tmp_path),), backend="nccl")
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_cpu_offload_trains_like_the_state_on_the_device(tmp_path, device):
+    """parallel.cpu_offload=true takes the steps of the same fsdp run with its state on the device
+    (the optimizer steps on the CPU instead), and its sharded checkpoint (written asynchronously)
+    resumes on the curve. On a GPU under NCCL the gradients wait in host memory while the group
+    reduces CUDA tensors only (the gradient norm's all-reduce failed there)."""
+    spawn(offload_worker, 1, args=(str(tmp_path), device), backend="nccl" if device == "cuda" else "gloo")
     results = torch.load(tmp_path / "offload0.pt")
-    assert_close(results["state offloaded"], results["state on the GPU"])
+    assert_close(results["state offloaded"], results["state on the device"])
+    assert_close(results["offloaded, checkpointed"], results["state offloaded"][:3])
+    assert_close(results["offloaded, resumed at step 3"], results["state offloaded"][3:], first_step=4)
