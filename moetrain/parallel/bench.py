@@ -4,9 +4,13 @@ and with tokens exchanged by NCCL's all-to-all or through peer memory.
     python -m moetrain.parallel.bench --gpus 2
     python -m moetrain.parallel.bench --gpus 2 --layers 4 --dim 2048 --hidden 8192 --experts 16
     python -m moetrain.parallel.bench --gpus 2 --overlap 1 --exchange all_to_all
+    python -m moetrain.parallel.bench --gpus 2 --expert swiglu --capacity-factor 0   # dropless SwiGLU
 
 The model is a stack of pre-norm residual MoE blocks (x + MoE(LayerNorm(x))), so MoE layers are
-nearly all of the work; bf16 weights and activations, fp32 router. Every GPU processes --tokens
+nearly all of the work; bf16 weights and activations, fp32 router. The experts are two-matrix FFNs
+in the padded layout (capacity factor 1) unless --expert swiglu and --capacity-factor 0 (dropless:
+packed rows, exchanged unchunked by all-to-all) say otherwise. --device cpu runs the same on CPU
+processes over Gloo in fp32 (a check of the code path, not a figure). Every GPU processes --tokens
 tokens per step (weak scaling): one GPU holds all experts, N GPUs hold experts/N each and exchange
 tokens by all-to-all. A step is forward, backward and the optimizer step (SGD, through
 DistributedOptimizer on N GPUs). Step time is the median of --steps timed steps after warm-up,
@@ -46,11 +50,12 @@ from moetrain.timing import median_ms
 
 
 class MoEStack(nn.Module):
-    def __init__(self, layers: int, dim: int, hidden: int, experts: int, top_k: int, impl: str):
+    def __init__(self, layers: int, dim: int, hidden: int, experts: int, top_k: int, impl: str,
+                 expert: str = "ffn", capacity_factor: float = 1.0):
         super().__init__()
         self.norms = nn.ModuleList(nn.LayerNorm(dim) for _ in range(layers))
-        self.moes = nn.ModuleList(MoELayer(dim, experts, hidden, top_k=top_k, capacity_factor=1.0, impl=impl)
-                                  for _ in range(layers))
+        self.moes = nn.ModuleList(MoELayer(dim, experts, hidden, top_k=top_k, capacity_factor=capacity_factor,
+                                           expert=expert, impl=impl) for _ in range(layers))
 
     def forward(self, x_TD: torch.Tensor, **kwargs) -> torch.Tensor:
         for norm, moe in zip(self.norms, self.moes):
@@ -58,14 +63,20 @@ class MoEStack(nn.Module):
         return x_TD
 
 
+def _dtype(args) -> torch.dtype:
+    return torch.bfloat16 if args.device == "cuda" else torch.float32
+
+
 def _build(args) -> MoEStack:
     torch.manual_seed(0)
-    return MoEStack(args.layers, args.dim, args.hidden, args.experts, args.top_k, args.impl).cuda().to(torch.bfloat16)
+    model = MoEStack(args.layers, args.dim, args.hidden, args.experts, args.top_k, args.impl, args.expert,
+                     args.capacity_factor)
+    return model.to(args.device, _dtype(args))
 
 
 def _tokens(args) -> torch.Tensor:
-    gen = torch.Generator(device="cuda").manual_seed(1 + (dist.get_rank() if dist.is_initialized() else 0))
-    return torch.randn(args.tokens, args.dim, device="cuda", dtype=torch.bfloat16, generator=gen)
+    gen = torch.Generator(device=args.device).manual_seed(1 + (dist.get_rank() if dist.is_initialized() else 0))
+    return torch.randn(args.tokens, args.dim, device=args.device, dtype=_dtype(args), generator=gen)
 
 
 def _time_steps(model, optimizer, args, **call) -> float:
@@ -77,7 +88,7 @@ def _time_steps(model, optimizer, args, **call) -> float:
         model(x_TD, **call).float().square().mean().backward()
         optimizer.step()
 
-    return median_ms(step, "cuda", warmup=args.warmup, steps=args.steps, sync_each=True) / 1e3
+    return median_ms(step, args.device, warmup=args.warmup, steps=args.steps, sync_each=True) / 1e3
 
 
 # ---------------------------------------------------------------------- one profiled step
@@ -175,7 +186,7 @@ def _run_row(measure) -> dict:
 def _measure(model, optimizer, args, **call) -> dict:
     row = {"step_s": _time_steps(model, optimizer, args, **call)}
     if dist.is_initialized():  # the slowest rank sets the pace
-        slowest = torch.tensor([row["step_s"]], device="cuda")
+        slowest = torch.tensor([row["step_s"]], device=args.device)
         dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
         row["step_s"] = slowest.item()
     if args.profile:
@@ -183,8 +194,8 @@ def _measure(model, optimizer, args, **call) -> dict:
     return row
 
 
-def _median_ms(run, repeats: int = 20, warmup: int = 5) -> float:
-    return median_ms(run, "cuda", warmup=warmup, steps=repeats, sync_each=True)
+def _median_ms(run, device: str, repeats: int = 20, warmup: int = 5) -> float:
+    return median_ms(run, device, warmup=warmup, steps=repeats, sync_each=True)
 
 
 def _time_exchange(args, peer_memory: bool) -> dict:
@@ -192,14 +203,14 @@ def _time_exchange(args, peer_memory: bool) -> dict:
     median of 20: NCCL's all_to_all_single, a local copy of the buffer for scale, or (peer_memory)
     collectives.PeerMemoryExchange's expert-major regrouping exchange."""
     experts, capacity = args.experts, args.tokens * args.top_k // args.experts
-    x = torch.randn(experts, capacity, args.dim, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(experts, capacity, args.dim, device=args.device, dtype=_dtype(args))
     mbytes = x.numel() * x.element_size() / 1e6
     if peer_memory:
         exchange = collectives.PeerMemoryExchange()
-        return {"mbytes": mbytes, "peer_memory_ms": _median_ms(lambda: exchange.exchange(x, 0, 1))}
+        return {"mbytes": mbytes, "peer_memory_ms": _median_ms(lambda: exchange.exchange(x, 0, 1), args.device)}
     out = torch.empty_like(x)
-    timings = {"mbytes": mbytes, "all_to_all_ms": _median_ms(lambda: dist.all_to_all_single(out, x)),
-               "copy_ms": _median_ms(lambda: out.copy_(x))}
+    timings = {"mbytes": mbytes, "all_to_all_ms": _median_ms(lambda: dist.all_to_all_single(out, x), args.device),
+               "copy_ms": _median_ms(lambda: out.copy_(x), args.device)}
     # Each rank keeps 1/W of the buffer and sends the rest, (W-1)/W of it, to the other ranks.
     world = dist.get_world_size()
     timings["sent_gb_per_s"] = mbytes * (world - 1) / world / timings["all_to_all_ms"]
@@ -230,7 +241,7 @@ def _multi_gpu(rank: int, world: int, args, out_path: str) -> None:
             with open(out_path, "w") as file:
                 json.dump(results, file)
             done = f"{row['step_s'] * 1e3:.2f} ms a step" if "step_s" in row else row.get("error") or json.dumps(row)
-            print(f"  {world} GPUs, {key}: {done}", flush=True)
+            print(f"  {world} {'GPU' if args.device == 'cuda' else 'rank'}s, {key}: {done}", flush=True)
 
     record("exchange", _run_row(lambda: _time_exchange(args, peer_memory=False)))
     for exchange, degree in _setups(args):
@@ -251,31 +262,53 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--experts", type=int, default=16)
     parser.add_argument("--top-k", type=int, default=2)
     parser.add_argument("--tokens", type=int, default=8192, help="tokens per GPU per step")
-    parser.add_argument("--overlap", type=lambda text: [int(v) for v in text.split(",")], default=[1, 2, 4],
-                        help="a2a_ffn_overlap_degree values, comma-separated (1 = no overlap)")
-    parser.add_argument("--exchange", type=lambda text: text.split(","), default=["all_to_all", "peer_memory"],
+    parser.add_argument("--expert", choices=("ffn", "swiglu"), default="ffn",
+                        help="two-matrix ReLU FFN experts, or SwiGLU experts (three matrices, no biases)")
+    parser.add_argument("--capacity-factor", type=float, default=1.0,
+                        help="the padded layout's capacity factor; 0 = dropless (packed rows)")
+    parser.add_argument("--overlap", type=lambda text: [int(v) for v in text.split(",")], default=None,
+                        help="a2a_ffn_overlap_degree values, comma-separated (1 = no overlap; default 1,2,4, "
+                             "dropless 1)")
+    parser.add_argument("--exchange", type=lambda text: text.split(","), default=None,
                         help="how tokens travel, comma-separated: all_to_all (NCCL, at every --overlap degree) "
-                             "and/or peer_memory (symmetric memory over NVLink, unchunked)")
+                             "and/or peer_memory (symmetric memory over NVLink, unchunked; padded layout on "
+                             "GPUs only); default both, dropless or --device cpu all_to_all")
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--impl", choices=("kernel", "torch"), default="kernel", help="dispatch/combine implementation")
     parser.add_argument("--profile", action="store_true", help="also profile one step per setup (see above)")
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
+                        help="cpu: --gpus CPU processes over Gloo, fp32 (checks the code path; no figures)")
     args = parser.parse_args(argv)
+    dropless = args.capacity_factor == 0
+    if args.capacity_factor < 0:
+        parser.error(f"--capacity-factor must be >= 0 (0 = dropless), got {args.capacity_factor:g}")
+    args.overlap = args.overlap or ([1] if dropless else [1, 2, 4])
+    args.exchange = args.exchange or (["all_to_all"] if dropless or args.device == "cpu" else ["all_to_all",
+                                                                                               "peer_memory"])
     unknown = sorted(set(args.exchange) - set(EXCHANGES))
     if unknown:
         parser.error(f"--exchange takes {', '.join(EXCHANGES)}; got {', '.join(unknown)}")
-    if not torch.cuda.is_available() or torch.cuda.device_count() < args.gpus:
-        parser.error(f"needs {args.gpus} CUDA GPUs, found {torch.cuda.device_count() if torch.cuda.is_available() else 0}")
+    if dropless and (max(args.overlap) > 1 or "peer_memory" in args.exchange):
+        parser.error("--capacity-factor 0 (dropless) is exchanged unchunked by all_to_all: use --overlap 1 and "
+                     "--exchange all_to_all")
+    if args.device == "cpu" and ("peer_memory" in args.exchange or args.profile):
+        parser.error("--device cpu runs over Gloo: --exchange peer_memory and --profile need GPUs")
+    if args.device == "cuda" and (not torch.cuda.is_available() or torch.cuda.device_count() < args.gpus):
+        parser.error(f"needs {args.gpus} CUDA GPUs, found {torch.cuda.device_count() if torch.cuda.is_available() else 0}"
+                     " (--device cpu runs the code path on CPU processes)")
 
     single = _run_row(lambda: _single_gpu(args))
-    print(f"  1 GPU: {single['step_s'] * 1e3:.2f} ms a step" if "step_s" in single else f"  1 GPU: {single['error']}",
+    unit = "GPU" if args.device == "cuda" else "rank"
+    print(f"  1 {unit}: {single['step_s'] * 1e3:.2f} ms a step" if "step_s" in single else f"  1 {unit}: {single['error']}",
           flush=True)
-    torch.cuda.empty_cache()
+    if args.device == "cuda":
+        torch.cuda.empty_cache()
     with tempfile.TemporaryDirectory() as folder:
         out_path = os.path.join(folder, "multi.json")
         crash = None
         try:
-            spawn(_multi_gpu, args.gpus, args=(args, out_path), backend="nccl")
+            spawn(_multi_gpu, args.gpus, args=(args, out_path), backend="nccl" if args.device == "cuda" else "gloo")
         except Exception as error:  # noqa: BLE001 - still print the rows finished before it
             crash = {"error": f"workers failed: {type(error).__name__}: {str(error)[-400:]}"}
         multi = {}
@@ -285,12 +318,14 @@ def main(argv: list[str] | None = None) -> int:
     missing = crash or {"error": "the workers wrote no result for it"}
     exchange, peer_exchange = multi.pop("exchange", missing), multi.pop("peer exchange", missing)
     labels = {"all_to_all": "EP a2a", "peer_memory": "EP peer"}
-    rows = [("1 GPU", 1, None, single)] + [(f"{args.gpus} GPUs {labels[name]}", args.gpus, degree,
+    rows = [(f"1 {unit}", 1, None, single)] + [(f"{args.gpus} {unit}s {labels[name]}", args.gpus, degree,
                                             multi.get(f"{name}:{degree}", missing))
                                            for name, degree in _setups(args)]
-    report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "config": vars(args), "runs": []}
+    device_name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
+    report = {"device": device_name, "torch": torch.__version__, "config": vars(args), "runs": []}
     _print_table(rows, args, report)
-    report["exchange"] = {**exchange, **{f"peer {key}": value for key, value in peer_exchange.items()}}
+    peer = peer_exchange if "peer_memory" in args.exchange else {}
+    report["exchange"] = {**exchange, **{f"peer {key}": value for key, value in peer.items()}}
     if "all_to_all_ms" in exchange:
         print(f"one exchange alone ({exchange['mbytes']:.0f} MB all_to_all_single, median of 20): "
               f"{exchange['all_to_all_ms']:.3f} ms, {exchange['sent_gb_per_s']:.0f} GB/s sent to the other ranks; "
@@ -309,7 +344,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _print_table(rows, args, report) -> None:
-    flop_per_token = args.layers * args.top_k * args.dim * args.hidden * 2 * 2 * 3
+    matmuls = 3 if args.expert == "swiglu" else 2
+    flop_per_token = args.layers * args.top_k * args.dim * args.hidden * matmuls * 2 * 3
     base = args.tokens / rows[0][3]["step_s"] if "step_s" in rows[0][3] else None
     print(f"{'setup':14s} {'overlap':>7s} {'step ms':>9s} {'tokens/s':>12s} {'expert TFLOP/s/GPU':>19s} {'speedup':>8s}")
     for name, gpus, degree, row in rows:
@@ -325,7 +361,8 @@ def _print_table(rows, args, report) -> None:
         speedup = throughput / base if base else float("nan")
         print(f"{label} {seconds * 1e3:9.2f} {throughput:12.0f} {tflops:19.1f} {speedup:8.2f}")
         report["runs"].append({"setup": name, "gpus": gpus, "overlap": degree, "step_s": seconds,
-                               "tokens_per_s": throughput, "speedup": speedup, "profile": row.get("profile")})
+                               "tokens_per_s": throughput, "expert_tflops_per_gpu": tflops, "speedup": speedup,
+                               "profile": row.get("profile")})
 
 
 def _print_profiles(rows) -> None:

@@ -1,0 +1,49 @@
+"""`python -m moetrain.parallel.bench` on CPU processes (Gloo): the expert-parallel benchmark's code
+path for dropless SwiGLU experts and padded FFN experts, its FLOP count, and its refusals. The
+figures themselves come from GPUs (docs/distributed.md); here only that every row runs."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from moetrain.parallel import bench
+
+SMALL = ["--device", "cpu", "--gpus", "2", "--layers", "1", "--dim", "32", "--hidden", "48", "--experts", "4",
+         "--tokens", "64", "--steps", "1", "--warmup", "0"]
+
+
+def _report(capsys) -> dict:
+    return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("expert,capacity_factor,matmuls,overlaps", [("swiglu", "0", 3, [1]),
+                                                                     ("ffn", "1.0", 2, [1, 2])])
+def test_every_row_runs_and_counts_the_expert_flops(capsys, expert, capacity_factor, matmuls, overlaps):
+    extra = ["--overlap", "1,2"] if capacity_factor != "0" else []
+    assert bench.main(SMALL + ["--expert", expert, "--capacity-factor", capacity_factor] + extra) == 0
+    report = _report(capsys)
+    runs = report["runs"]
+    assert [run["setup"] for run in runs] == ["1 rank"] + ["2 ranks EP a2a"] * len(overlaps)
+    assert [run["overlap"] for run in runs[1:]] == overlaps
+    for run in runs:
+        assert "error" not in run, run
+        # tokens per rank x layers x k x D x H x matmuls x 2 (multiply-add) x 3 (forward + backward)
+        want = 64 * 1 * 2 * 32 * 48 * matmuls * 2 * 3 / run["step_s"] / 1e12
+        assert run["expert_tflops_per_gpu"] == pytest.approx(want)
+        assert run["tokens_per_s"] == pytest.approx(64 * run["gpus"] / run["step_s"])
+    assert "all_to_all_ms" in report["exchange"] and not any(key.startswith("peer") for key in report["exchange"])
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--capacity-factor", "0", "--overlap", "1,2"], "dropless) is exchanged unchunked by all_to_all"),
+    (["--capacity-factor", "-1"], "--capacity-factor must be >= 0"),
+    (["--exchange", "peer_memory"], "--device cpu runs over Gloo"),
+    (["--profile"], "--device cpu runs over Gloo"),
+])
+def test_refusals_are_one_line(capsys, argv, message):
+    with pytest.raises(SystemExit) as exit_info:
+        bench.main(SMALL + argv)
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err.strip().splitlines()[-1]
