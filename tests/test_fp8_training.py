@@ -122,10 +122,11 @@ def _exact_values(rows: int, cols: int, group_starts) -> torch.Tensor:
     return x
 
 
-def transposed_interpreter_checks() -> None:
-    """The transposing quantizers' Triton kernels against the CPU paths (run under TRITON_INTERPRET=1
+def quantizer_interpreter_checks() -> None:
+    """The training quantizers' Triton kernels against the CPU paths (run under TRITON_INTERPRET=1
     by the test below): the per-expert columns with empty, short and tile-crossing experts and
-    extra places past the last one, the weights' columns over K, the 128x1 tiles."""
+    extra places past the last one, the weights' columns over K, the 128x1 tiles, the 128x128
+    weight blocks."""
     torch.manual_seed(0)
     for counts in ([20, 0, 33, 7, 0], [0, 45], [37], [1], [130, 3, 0, 70], []):
         starts = torch.tensor([0] + counts).cumsum(0)[:-1].tolist()
@@ -148,14 +149,43 @@ def transposed_interpreter_checks() -> None:
         want_q, want_scale = training.quantize_column_tiles(x)
         assert torch.equal(got_q.view(torch.uint8), want_q.view(torch.uint8)), rows
         assert torch.equal(got_scale, want_scale), rows
+    # 128x128 weight blocks, ragged in K and N, in both layouts; a NaN poisons its block's scale
+    # (only the scale is compared there: the interpreter also encodes NaN wrongly).
+    for k, n in ((200, 130), (128, 256), (5, 7)):
+        w = _exact_blocks(3, k, n)
+        for k_contiguous in (True, False):
+            got_q, got_scale = training._quantize_weight_blocks_triton(w, k_contiguous)
+            want_q, want_scale = training.quantize_weight_blocks(w, k_contiguous)
+            assert torch.equal(got_q.view(torch.uint8), want_q.view(torch.uint8)), (k, n, k_contiguous)
+            assert torch.equal(got_scale, want_scale), (k, n, k_contiguous)
+        w[1, k - 1, n - 1] = float("nan")
+        _, got_scale = training._quantize_weight_blocks_triton(w, True)
+        nan = torch.zeros(got_scale.shape, dtype=torch.bool)
+        nan[1, -1, -1] = True
+        assert torch.equal(got_scale.isnan(), nan), (k, n)
     print("ok")
 
 
+def _exact_blocks(experts: int, k: int, n: int) -> torch.Tensor:
+    """[E, K, N] fp32 of E4M3 values times a power of two per 128x128 block, with 448 times it at the
+    block's first element: exact quotients, as _exact_values."""
+    codes = torch.randint(0, 256, (experts, k, n), dtype=torch.uint8)
+    codes[(codes & 0x7F) == 0x7F] = 0
+    w = codes.view(torch.float8_e4m3fn).float()
+    for e in range(experts):
+        for k0 in range(0, k, 128):
+            for n0 in range(0, n, 128):
+                power = 2.0 ** torch.randint(-6, 7, ()).item()
+                w[e, k0:k0 + 128, n0:n0 + 128] *= power
+                w[e, k0, n0] = 448 * power
+    return w
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CUDA tests run the kernels there, rounding included")
-def test_transposing_quantizers_in_the_interpreter():
+def test_quantizers_in_the_interpreter():
     pytest.importorskip("triton")
     command = ("import sys; sys.path.insert(0, 'tests'); import test_fp8_training as t; "
-               "t.transposed_interpreter_checks()")
+               "t.quantizer_interpreter_checks()")
     result = subprocess.run([sys.executable, "-c", command], cwd=Path(__file__).resolve().parents[1],
                             env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0 and result.stdout.strip() == "ok", result.stdout[-2000:] + result.stderr[-4000:]

@@ -40,10 +40,10 @@ then the values written transposed, each expert's rows padded to a multiple of 1
 alignment).
 "fp8_block": the GEMMs are moetrain.ops.triton_grouped's block-scaled grouped GEMMs; the 1x128 tiles
 are quantized by quant.kernels.quantize_fp8, the 128x1 tiles (transposed, rows contiguous) by the
-same Triton kernels as "fp8"'s columns, the 128x128 weight blocks by torch ops. On the CPU every
-GEMM is emulated: the operands are quantized with the same arithmetic (moetrain.quant.formats, bit
-for bit), dequantized to fp32 and multiplied in fp32, then rounded to bfloat16; only the order of
-the fp32 accumulation differs from the GPU.
+same Triton kernels as "fp8"'s columns, the 128x128 weight blocks by one Triton kernel (a program
+per block). On the CPU every GEMM is emulated: the operands are quantized with the same arithmetic
+(moetrain.quant.formats, bit for bit), dequantized to fp32 and multiplied in fp32, then rounded to
+bfloat16; only the order of the fp32 accumulation differs from the GPU.
 
 Shape letters: R rows (expert-major, packed or padded), K input features, N output features,
 E experts, P rows padded per expert to multiples of ALIGN; Kb, Nb, Rb those dims in 128-blocks.
@@ -332,15 +332,18 @@ def quantize_column_tiles(x_RC: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
     return q_CR, scale_CRb.t().contiguous()
 
 
-_BLOCK_CHUNK = 2**28  # elements of w quantized at once: the fp32 working copies stay near 1 GiB each
+_BLOCK_CHUNK = 2**28  # elements of w the CPU path quantizes at once: its fp32 working copies stay near 1 GiB each
 
 
 def quantize_weight_blocks(w_EKN: torch.Tensor, k_contiguous: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """E4M3 copy of w with one fp32 scale per 128x128 block of each w[e]: scales [E, Kb, Nb]; values
     stored [E, N, K] (k_contiguous: the forward reads w[e] with K, its reduction dim, contiguous) or
     [E, K, N] (dgrad reads w[e].T, reducing over N). A block's scale and values are the same in
-    either storage; only the layout differs. Done a group of experts at a time: at once, a layer of
-    DeepSeek-V3's size (256 x 7168 x 4096) would need 30 GB of fp32 working copies."""
+    either storage; only the layout differs. On CUDA one Triton pass (a program per block); on the
+    CPU torch ops, a group of experts at a time: at once, a layer of DeepSeek-V3's size
+    (256 x 7168 x 4096) would need 30 GB of fp32 working copies."""
+    if w_EKN.is_cuda and triton is not None:
+        return _quantize_weight_blocks_cuda(w_EKN.contiguous(), k_contiguous)
     per_group = max(1, _BLOCK_CHUNK // max(1, w_EKN[0].numel())) if w_EKN.size(0) else 1
     if w_EKN.size(0) > per_group:
         parts = [quantize_weight_blocks(w, k_contiguous) for w in w_EKN.split(per_group)]
@@ -349,6 +352,65 @@ def quantize_weight_blocks(w_EKN: torch.Tensor, k_contiguous: bool) -> tuple[tor
         q_ENK, scale_ENbKb = quantize_fp8_blocks(w_EKN.transpose(1, 2))
         return q_ENK, scale_ENbKb.transpose(1, 2).contiguous()
     return quantize_fp8_blocks(w_EKN)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _quantize_weight_blocks_kernel(w_ptr, q_ptr, scale_ptr, K, N, K_BLOCKS, N_BLOCKS,
+                                       TRANSPOSED: tl.constexpr, BLOCK: tl.constexpr):
+        """One 128x128 block (k, n) of w[e] (contiguous [E, K, N]): its scale (formats.fp8_scale of
+        its largest finite magnitude; NaN if any value is not finite) into scale[e, kb, nb], its
+        values divided by it and rounded to E4M3 (formats.e4m3_encode) into q[e] as [K, N], or
+        TRANSPOSED as [N, K]. Values outside w (ragged edges) count as zeros and are not written."""
+        nb, kb, e = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
+        ks = kb * BLOCK + tl.arange(0, BLOCK)
+        ns = nb * BLOCK + tl.arange(0, BLOCK)
+        mask = (ks < K)[:, None] & (ns < N)[None, :]
+        matrix = e * K * N
+        x = tl.load(w_ptr + matrix + ks.to(tl.int64)[:, None] * N + ns[None, :], mask=mask, other=0.0).to(tl.float32)
+        finite = tl.abs(x) < float("inf")  # False for +-Inf and NaN
+        amax = tl.max(tl.max(tl.where(finite, tl.abs(x), 0.0), axis=1), axis=0)
+        all_finite = tl.min(tl.min(finite.to(tl.int32), axis=1), axis=0) == 1
+        scale = tl.where(amax > 0, tl.math.div_rn(amax, tl.full(amax.shape, _E4M3_MAX, tl.float32)), 1.0)
+        scale = tl.where(all_finite, scale, float("nan"))
+        tl.store(scale_ptr + (e * K_BLOCKS + kb) * N_BLOCKS + nb, scale)
+        scaled = tl.math.div_rn(x, tl.full(x.shape, 1.0, tl.float32) * scale)
+        codes = tl.clamp(scaled, -_E4M3_MAX, _E4M3_MAX, propagate_nan=tl.PropagateNan.ALL)
+        codes = codes.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+        if TRANSPOSED:
+            tl.store(q_ptr + matrix + ns.to(tl.int64)[None, :] * K + ks[:, None], codes, mask=mask)
+        else:
+            tl.store(q_ptr + matrix + ks.to(tl.int64)[:, None] * N + ns[None, :], codes, mask=mask)
+
+
+def _quantize_weight_blocks_triton(w_EKN: torch.Tensor, k_contiguous: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """quantize_weight_blocks by the Triton kernel above (CUDA, or the interpreter on CPU tensors in
+    the tests); w contiguous."""
+    num_experts, k, n = w_EKN.shape
+    k_blocks, n_blocks = -(-k // FP8_BLOCK), -(-n // FP8_BLOCK)
+    q = torch.empty((num_experts, n, k) if k_contiguous else (num_experts, k, n), dtype=torch.uint8,
+                    device=w_EKN.device)
+    scale_EKbNb = torch.empty(num_experts, k_blocks, n_blocks, dtype=torch.float32, device=w_EKN.device)
+    if w_EKN.numel():
+        with torch.cuda.device(w_EKN.device) if w_EKN.is_cuda else contextlib.nullcontext():
+            _quantize_weight_blocks_kernel[(n_blocks, k_blocks, num_experts)](
+                w_EKN, q, scale_EKbNb, k, n, k_blocks, n_blocks, TRANSPOSED=k_contiguous, BLOCK=FP8_BLOCK,
+                num_warps=8)
+    return q.view(torch.float8_e4m3fn), scale_EKbNb
+
+
+@torch.library.custom_op("moetrain::fp8_quantize_weight_blocks", mutates_args=(), device_types="cuda")
+def _quantize_weight_blocks_cuda(w_EKN: torch.Tensor, k_contiguous: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    return _quantize_weight_blocks_triton(w_EKN, k_contiguous)
+
+
+@_quantize_weight_blocks_cuda.register_fake
+def _(w_EKN, k_contiguous):
+    e, k, n = w_EKN.shape
+    shape = (e, n, k) if k_contiguous else (e, k, n)
+    return (w_EKN.new_empty(shape, dtype=torch.float8_e4m3fn),
+            w_EKN.new_empty(e, -(-k // FP8_BLOCK), -(-n // FP8_BLOCK), dtype=torch.float32))
 
 
 def _quantize_column_tiles_triton(x_RC: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
