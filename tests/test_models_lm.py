@@ -174,3 +174,26 @@ def test_throughput_profile_lists_the_step_s_operators(capsys):
     printed = capsys.readouterr().out
     table = printed.split("\n", 1)[1]  # after the JSON line
     assert "Self CPU time total" in table and "Optimizer.step#AdamW.step" in table, table[-3000:]
+
+
+def test_throughput_autocast_keeps_fp32_weights_and_computes_in_bf16():
+    """--autocast (the command's precision=bf16): the step computes in bf16 (its loss is the fp32
+    loss of the same weights up to bf16 rounding, not equal to it) while the weights and AdamW's
+    moments it updates stay fp32."""
+    from moetrain.models import throughput
+
+    tokens = torch.randint(0, 512, (2, 17), generator=torch.Generator().manual_seed(0))
+    torch.manual_seed(0)
+    model = build_lm("qwen3_moe_tiny", max_seq_len=16)
+    torch.manual_seed(0)
+    same = build_lm("qwen3_moe_tiny", max_seq_len=16)
+    before = [p.detach().clone() for p in model.parameters()]
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    loss = throughput.training_step(model, optimizer, tokens, autocast=True).item()
+    with torch.no_grad():
+        full = throughput.next_token_loss(same(tokens[:, :-1]), tokens).item()
+        full += sum(layer.aux_loss for layer in moe_layers(same)).item()
+    assert loss != full and abs(loss - full) < 0.02 * abs(full)
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    assert any(not torch.equal(p, b) for p, b in zip(model.parameters(), before))
+    assert all(state["exp_avg"].dtype == torch.float32 for state in optimizer.state.values())

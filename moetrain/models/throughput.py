@@ -39,12 +39,14 @@ def next_token_loss(logits_BTV: torch.Tensor, tokens_BT: torch.Tensor) -> torch.
 
 
 def training_step(model: MoETransformerLM, optimizer: torch.optim.Optimizer, tokens_BT: torch.Tensor,
-                  loss_fn=next_token_loss) -> torch.Tensor:
-    """One step on tokens_BT [B, T + 1]: forward, next-token loss + the MoE layers' aux losses,
-    backward, optimizer step, router biases; returns the loss."""
-    logits_BTV = model(tokens_BT[:, :-1])
-    loss = loss_fn(logits_BTV, tokens_BT)
-    loss = loss + sum(layer.aux_loss for layer in moe_layers(model))
+                  loss_fn=next_token_loss, autocast: bool = False) -> torch.Tensor:
+    """One step on tokens_BT [B, T + 1]: forward, next-token loss + the MoE layers' aux losses
+    (under bf16 autocast if asked: fp32 weights, as the trainer's precision=bf16 runs), backward,
+    optimizer step, router biases; returns the loss."""
+    with torch.autocast(tokens_BT.device.type, dtype=torch.bfloat16, enabled=autocast):
+        logits_BTV = model(tokens_BT[:, :-1])
+        loss = loss_fn(logits_BTV, tokens_BT)
+        loss = loss + sum(layer.aux_loss for layer in moe_layers(model))
     loss.backward()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
@@ -53,7 +55,7 @@ def training_step(model: MoETransformerLM, optimizer: torch.optim.Optimizer, tok
 
 
 def measure(model: MoETransformerLM, batch_size: int, seq_len: int, steps: int, warmup: int, lr: float = 1e-4,
-            loss_fn=next_token_loss) -> dict:
+            loss_fn=next_token_loss, autocast: bool = False) -> dict:
     device = model.embed.weight.device
     on_gpu = device.type == "cuda"
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, fused=on_gpu)
@@ -66,7 +68,7 @@ def measure(model: MoETransformerLM, batch_size: int, seq_len: int, steps: int, 
             start.record()
         else:
             started = time.perf_counter()
-        loss = training_step(model, optimizer, tokens_BT, loss_fn)
+        loss = training_step(model, optimizer, tokens_BT, loss_fn, autocast)
         if on_gpu:
             end.record()
             end.synchronize()
@@ -102,6 +104,9 @@ def main(argv=None) -> dict:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
                         help="weights and activations; routers stay float32")
+    parser.add_argument("--autocast", action="store_true",
+                        help="fp32 weights and AdamW state, bf16 compute under autocast: what the command trains "
+                             "with (trainer.precision=bf16); default: bf16 weights and state")
     parser.add_argument("--impl", default="kernel", choices=["kernel", "torch"], help="MoE dispatch path")
     parser.add_argument("--precision", default="bf16", choices=list(PRECISIONS),
                         help="of the routed experts' GEMMs: fp8 runs every one of forward and backward in FP8 "
@@ -117,6 +122,9 @@ def main(argv=None) -> dict:
                         help="also print the kernels of three steps as run (compiled too), most time first, and "
                              "any host syncs in a step")
     args = parser.parse_args(argv)
+    if args.autocast and (args.dtype != "bfloat16" or args.anatomy):
+        parser.error("--autocast keeps fp32 weights and computes in bf16: leave out --dtype float32 and --anatomy "
+                     "(which times the bf16-weight step)")
     if args.compile and args.activation_checkpointing == "full":
         parser.error("--activation-checkpointing full cannot be compiled (torch.compile does not trace the routing "
                      "replay of recomputed MoE blocks); use selective, or leave out --compile")
@@ -124,7 +132,7 @@ def main(argv=None) -> dict:
     moe_kwargs = {**PRESETS[args.preset].moe_kwargs, "impl": args.impl}
     with torch.device(args.device):
         model = build_lm(args.preset, max_seq_len=args.seq_len, moe_kwargs=moe_kwargs)
-    model.to(getattr(torch, args.dtype))
+    model.to(torch.float32 if args.autocast else getattr(torch, args.dtype))
     for layer in moe_layers(model):
         layer.gate.float()
         layer.precision = args.precision
@@ -136,8 +144,10 @@ def main(argv=None) -> dict:
     loss_fn = torch.compile(next_token_loss) if args.compile else next_token_loss
     result = {"preset": args.preset, "device": str(args.device), "dtype": args.dtype, "impl": args.impl,
               "compile": args.compile, "precision": args.precision,
-              "activation_checkpointing": args.activation_checkpointing,
-              **measure(model, args.batch_size, args.seq_len, args.steps, args.warmup, loss_fn=loss_fn)}
+              "activation_checkpointing": args.activation_checkpointing, "autocast": args.autocast,
+              "param_dtype": str(model.embed.weight.dtype).removeprefix("torch."),
+              **measure(model, args.batch_size, args.seq_len, args.steps, args.warmup, loss_fn=loss_fn,
+                        autocast=args.autocast)}
     if result["device"].startswith("cuda"):
         result["device_name"] = torch.cuda.get_device_name()
         result["max_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
@@ -154,7 +164,8 @@ def main(argv=None) -> dict:
         device = torch.device(args.device)
         tokens_BT = torch.randint(0, model.config.vocab_size, (args.batch_size, args.seq_len + 1), device=device)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
-        print(profile_table(lambda: training_step(model, optimizer, tokens_BT, loss_fn), device, rows=30))
+        print(profile_table(lambda: training_step(model, optimizer, tokens_BT, loss_fn, args.autocast), device,
+                            rows=30))
     return result
 
 
