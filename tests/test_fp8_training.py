@@ -534,3 +534,24 @@ def test_trainer_precision_fp8_block_runs_every_expert_gemm_in_fp8_block(tmp_pat
     assert all(math.isfinite(v) for k, v in metrics.items() if "loss" in k), metrics
     # wgrad: once per expert GEMM and step; forward and dgrad: twice that, and the final evaluation's forwards
     assert calls["columns"] and calls["columns"] % 3 == 0 and calls["rows"] > 2 * calls["columns"], calls
+
+
+def test_training_quantizer_bench_times_each_quantizer(capsys):
+    """python -m moetrain.quant.bench --training-quantizers: every quantizer of both recipes timed,
+    with the bytes it must move (rows: read 2 + write 1 per bf16 value; the column and tile
+    quantizers read twice; the fp32 weight's forward layout reads twice) over its time."""
+    from moetrain.quant import bench
+
+    rows = bench.training_quantizer_rows("tiny", 96, 32, 16, 3, torch.device("cpu"), iters=1)
+    names = [row["quantizer"] for row in rows]
+    assert names == ["rows of x", "rows of dy", "expert columns of x", "expert columns of dy", "weight, forward",
+                     "weight, dgrad", "weight blocks, forward", "weight blocks, dgrad", "1x128 tiles of x",
+                     "128x1 tiles of x", "copy of x (scale)"]
+    moved = {"rows of x": 96 * 32 * 3, "expert columns of dy": 96 * 32 * 5, "weight, forward": 3 * 32 * 32 * 9}
+    for row in rows:
+        assert row["ms"] > 0 and row["shape"] == "tiny"
+        if row["quantizer"] in moved:
+            assert row["gb_per_s"] == pytest.approx(moved[row["quantizer"]] / row["ms"] / 1e6)
+    with pytest.raises(SystemExit) as exit_info:
+        bench.main(["--training-quantizers", "--device", "cpu"])
+    assert exit_info.value.code == 2 and "needs a CUDA device" in capsys.readouterr().err

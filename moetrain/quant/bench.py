@@ -4,6 +4,7 @@
     python -m moetrain.quant.bench --shapes small --device cpu --iters 2    # a quick CPU smoke run
     python -m moetrain.quant.bench --json results.json
     python -m moetrain.quant.bench --kernels             # GPU: one weight's GEMM on every path
+    python -m moetrain.quant.bench --training-quantizers # each FP8 training quantizer alone
 
 For every format (bf16 = the float MoELayer in bf16, the baseline) it prints the expert-weight
 memory, the GEMM path taken for decode and for prefill (moetrain.quant.matmul.cuda_path), the
@@ -12,6 +13,12 @@ timed with CUDA events; no grad), the output's relative error against bf16, and 
 relative difference of the device paths against the fp32 emulation on one expert matrix (with
 decode- and prefill-sized row counts).
 Dispatch and combine use the pure-torch path so that no compiled extension is needed.
+
+--training-quantizers instead times each quantizer of FP8 training (moetrain.quant.training) alone
+on the expert rows of the LM benchmark shapes (x [R, D] and dy [R, 2H] bf16, w [E, D, 2H] fp32,
+equal rows per expert): milliseconds, and GB/s of the bytes each must move at least (reads and
+writes; the per-expert column quantizers read their input twice, once for the maxima), beside a
+copy of x for scale.
 """
 
 from __future__ import annotations
@@ -251,6 +258,42 @@ def tile_sweep(model_dim: int, hidden: int, experts: int, args, device: torch.de
                       + ", ".join(f"{label} {t}" for label, t in zip(labels, timings)), flush=True)
 
 
+# Expert rows R (tokens x k), D, H, E of the LM benchmark shapes (moetrain.bench).
+TRAINING_SHAPES = {"moe_1b5": (65536, 2048, 2048, 8), "qwen3_30b": (131072, 2048, 768, 128),
+                   "dsv3": (65536, 7168, 2048, 256)}
+
+
+def training_quantizer_rows(name: str, rows: int, dim: int, hidden: int, experts: int, device: torch.device,
+                            iters: int) -> list[dict]:
+    """Each FP8 training quantizer alone on one shape: {shape, quantizer, ms, gb_per_s}."""
+    from moetrain.quant import training  # noqa: PLC0415 - Triton kernels, imported when asked for
+
+    counts_E = torch.full((experts,), rows // experts, device=device, dtype=torch.int64)
+    counts_E[-1] += rows - int(counts_E.sum())
+    x = torch.randn(rows, dim, device=device, dtype=torch.bfloat16)
+    dy = torch.randn(rows, 2 * hidden, device=device, dtype=torch.bfloat16)
+    w = torch.randn(experts, dim, 2 * hidden, device=device)
+    places = training._padded_rows(counts_E, rows)
+    cases = {  # name: (call, bytes read + written at least)
+        "rows of x": (lambda: training.quantize_rows(x), x.numel() * 3),
+        "rows of dy": (lambda: training.quantize_rows(dy), dy.numel() * 3),
+        "expert columns of x": (lambda: training.quantize_columns(x, counts_E, places), x.numel() * 5),
+        "expert columns of dy": (lambda: training.quantize_columns(dy, counts_E, places), dy.numel() * 5),
+        "weight, forward": (lambda: training.quantize_weight(w, over=1), w.numel() * 9),
+        "weight, dgrad": (lambda: training.quantize_weight(w, over=2), w.numel() * 5),
+        "weight blocks, forward": (lambda: training.quantize_weight_blocks(w, k_contiguous=True), w.numel() * 5),
+        "weight blocks, dgrad": (lambda: training.quantize_weight_blocks(w, k_contiguous=False), w.numel() * 5),
+        "1x128 tiles of x": (lambda: training.quantize_row_tiles(x), x.numel() * 3),
+        "128x1 tiles of x": (lambda: training.quantize_column_tiles(x), x.numel() * 5),
+        "copy of x (scale)": (lambda: x.clone(), x.numel() * 4),
+    }
+    out = []
+    for quantizer, (call, nbytes) in cases.items():
+        ms = median_ms(call, iters, device)
+        out.append({"shape": name, "quantizer": quantizer, "ms": ms, "gb_per_s": nbytes / ms / 1e6})
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shapes", nargs="+", default=["mixtral", "fine_grained"], choices=sorted(SHAPES))
@@ -263,9 +306,25 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--json", help="also write the rows to this file")
     parser.add_argument("--kernels", action="store_true",
                         help="instead: time one weight's GEMM on every CUDA path (first shape) and the Triton kernels alone")
+    parser.add_argument("--training-quantizers", action="store_true",
+                        help="instead: time each FP8 training quantizer alone on the LM shapes (see above)")
     args = parser.parse_args(argv)
     args.formats = ["bf16"] + [f for f in args.formats if f != "bf16"]  # the baseline of every ratio, first
     device = torch.device(args.device)
+    if args.training_quantizers:
+        if device.type != "cuda":
+            parser.error("--training-quantizers times the CUDA kernels: it needs a CUDA device")
+        rows = []
+        for name, shape in TRAINING_SHAPES.items():
+            for row in training_quantizer_rows(name, *shape, device, args.iters):
+                print(f"{row['shape']:10s} {row['quantizer']:24s} {row['ms']:8.3f} ms {row['gb_per_s']:7.0f} GB/s",
+                      flush=True)
+                rows.append(row)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"torch": torch.__version__, "device": torch.cuda.get_device_name(device), "rows": rows}, f,
+                          indent=1)
+        return
     if args.kernels:
         if device.type != "cuda" or not kernels.available():
             parser.error("--kernels needs a CUDA device and Triton")
