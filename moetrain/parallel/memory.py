@@ -72,7 +72,8 @@ def measure(strategy: str, preset: str, batch: int, seq_len: int, steps: int, de
     from moetrain.parallel.training import Distributed
 
     torch.manual_seed(0)
-    model = build_lm(preset, max_seq_len=seq_len, **(overrides or {})).to(device)
+    with device:  # built where it trains: no host copy of the whole model first
+        model = build_lm(preset, max_seq_len=seq_len, **(overrides or {}))
     vocab = model.config.vocab_size
     processes = Distributed(ParallelConfig(nproc_per_node=dist.get_world_size(), strategy=strategy, **(settings or {})))
     optimizer = processes.build_optimizer(model, OptimConfig(lr=1e-4))
