@@ -43,16 +43,26 @@ if triton is not None:
     _E4M3_MAX = tl.constexpr(E4M3_MAX)  # what a jitted function may read of a module constant
 
     @triton.jit
+    def _fp8_scale(amax, all_finite):
+        """formats.fp8_scale: amax / 448 (IEEE division), 1 where amax is 0, NaN unless all_finite."""
+        scale = tl.where(amax > 0, tl.math.div_rn(amax, tl.full(amax.shape, _E4M3_MAX, tl.float32)), 1.0)
+        return tl.where(all_finite, scale, float("nan"))
+
+    @triton.jit
+    def _e4m3_codes(x, scale):
+        """formats.e4m3_encode(x / scale) for fp32 x and scale of one shape: IEEE division, saturation
+        to +-448, NaN kept, round to nearest even."""
+        scaled = tl.clamp(tl.math.div_rn(x, scale), -_E4M3_MAX, _E4M3_MAX, propagate_nan=tl.PropagateNan.ALL)
+        return scaled.to(tl.float8e4nv)
+
+    @triton.jit
     def _fp8_scale_and_codes(x, finite, mask):
         """Rows of groups x [GROUPS, SIZE] (fp32) -> (E4M3 values, fp32 scale per group), with the
         exact arithmetic of formats.quantize_fp8_groups (IEEE divisions, round-to-nearest-even)."""
         amax = tl.max(tl.where(finite & mask, tl.abs(x), 0.0), axis=1)
         all_finite = tl.min(tl.where(mask, finite, True).to(tl.int32), axis=1) == 1
-        scale = tl.where(amax > 0, tl.math.div_rn(amax, tl.full(amax.shape, _E4M3_MAX, tl.float32)), 1.0)
-        scale = tl.where(all_finite, scale, float("nan"))
-        scaled = tl.math.div_rn(x, tl.broadcast_to(scale[:, None], x.shape))
-        scaled = tl.clamp(scaled, -_E4M3_MAX, _E4M3_MAX, propagate_nan=tl.PropagateNan.ALL)
-        return scaled.to(tl.float8e4nv), scale
+        scale = _fp8_scale(amax, all_finite)
+        return _e4m3_codes(x, tl.broadcast_to(scale[:, None], x.shape)), scale
 
     @triton.jit
     def _quantize_fp8_kernel(

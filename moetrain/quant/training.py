@@ -145,7 +145,7 @@ def quantize_columns(x_RC: torch.Tensor, counts_E: torch.Tensor, padded_rows: in
 
 
 if triton is not None:
-    from moetrain.quant.kernels import _E4M3_MAX
+    from moetrain.quant.kernels import _e4m3_codes, _fp8_scale
 
     @triton.jit
     def _row_experts(expert_ptr, rows, row_ok, rows_per_matrix, PACKED: tl.constexpr):
@@ -214,8 +214,7 @@ if triton is not None:
         scale_row = tl.load(scale_ptr + lowest * C + cols, mask=col_ok & (lowest < E), other=1.0)
         scale_each = tl.load(scale_ptr + expert[:, None] * C + cols[None, :], mask=mask & mixed, other=1.0)
         scale = tl.where(mixed, scale_each, scale_row[None, :])
-        scaled = tl.clamp(tl.math.div_rn(x, scale), -_E4M3_MAX, _E4M3_MAX, propagate_nan=tl.PropagateNan.ALL)
-        tl.store(q_ptr + out, scaled.to(tl.float8e4nv).to(tl.uint8, bitcast=True), mask=store_ok)
+        tl.store(q_ptr + out, _e4m3_codes(x, scale).to(tl.uint8, bitcast=True), mask=store_ok)
 
 
 _BLOCK_R, _BLOCK_C = 64, 128  # the column amax's tiles (rows x columns)
@@ -372,12 +371,9 @@ if triton is not None:
         finite = tl.abs(x) < float("inf")  # False for +-Inf and NaN
         amax = tl.max(tl.max(tl.where(finite, tl.abs(x), 0.0), axis=1), axis=0)
         all_finite = tl.min(tl.min(finite.to(tl.int32), axis=1), axis=0) == 1
-        scale = tl.where(amax > 0, tl.math.div_rn(amax, tl.full(amax.shape, _E4M3_MAX, tl.float32)), 1.0)
-        scale = tl.where(all_finite, scale, float("nan"))
+        scale = _fp8_scale(amax, all_finite)
         tl.store(scale_ptr + (e * K_BLOCKS + kb) * N_BLOCKS + nb, scale)
-        scaled = tl.math.div_rn(x, tl.full(x.shape, 1.0, tl.float32) * scale)
-        codes = tl.clamp(scaled, -_E4M3_MAX, _E4M3_MAX, propagate_nan=tl.PropagateNan.ALL)
-        codes = codes.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+        codes = _e4m3_codes(x, tl.broadcast_to(scale, x.shape)).to(tl.uint8, bitcast=True)
         if TRANSPOSED:
             tl.store(q_ptr + matrix + ns.to(tl.int64)[None, :] * K + ks[:, None], codes, mask=mask)
         else:
