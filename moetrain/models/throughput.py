@@ -151,19 +151,17 @@ def main(argv=None) -> dict:
     if result["device"].startswith("cuda"):
         result["device_name"] = torch.cuda.get_device_name()
         result["max_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
-    if args.anatomy:
+    if args.anatomy or args.profile:  # one batch and optimizer for the steps they take
         device = torch.device(args.device)
         tokens_BT = torch.randint(0, model.config.vocab_size, (args.batch_size, args.seq_len + 1), device=device)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
+    if args.anatomy:
         result["anatomy"] = step_anatomy(model, tokens_BT, optimizer, result["step_ms"],
                                          lambda step: median_ms(step, device, warmup=2, steps=5))
     print(json.dumps(result))
     if args.anatomy:
         print(anatomy_table(result["anatomy"], result["step_ms"]))
     if args.profile:
-        device = torch.device(args.device)
-        tokens_BT = torch.randint(0, model.config.vocab_size, (args.batch_size, args.seq_len + 1), device=device)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
         print(profile_table(lambda: training_step(model, optimizer, tokens_BT, loss_fn, args.autocast), device,
                             rows=30))
     return result
