@@ -107,15 +107,20 @@ def test_column_quantization_is_the_format_per_expert_column(device, rows, cols,
         padded_start += pad
 
 
+def _e4m3_values(*shape: int) -> torch.Tensor:
+    """fp32 tensor of random E4M3 values (any code but NaN)."""
+    codes = torch.randint(0, 256, shape, dtype=torch.uint8)
+    codes[(codes & 0x7F) == 0x7F] = 0
+    return codes.view(torch.float8_e4m3fn).float()
+
+
 def _exact_values(rows: int, cols: int, group_starts) -> torch.Tensor:
     """E4M3 values times a power of two per column, and 448 times it (either sign) in each group's
     first row: each group's scale is that power of two and every quotient is exact. Triton's
     interpreter rounds to E4M3 wrongly (1.98 becomes 1.0), so its checks leave out the rounding
     (the CUDA tests check it) and test where each value and scale lands."""
-    codes = torch.randint(0, 256, (rows, cols), dtype=torch.uint8)
-    codes[(codes & 0x7F) == 0x7F] = 0  # no NaN
     power = 2.0 ** torch.randint(-6, 7, (cols,)).float()
-    x = codes.view(torch.float8_e4m3fn).float() * power
+    x = _e4m3_values(rows, cols) * power
     for start in group_starts:
         if start < rows:
             x[start] = 448 * power * torch.where(torch.rand(cols) < 0.5, -1.0, 1.0)
@@ -169,9 +174,7 @@ def quantizer_interpreter_checks() -> None:
 def _exact_blocks(experts: int, k: int, n: int) -> torch.Tensor:
     """[E, K, N] fp32 of E4M3 values times a power of two per 128x128 block, with 448 times it at the
     block's first element: exact quotients, as _exact_values."""
-    codes = torch.randint(0, 256, (experts, k, n), dtype=torch.uint8)
-    codes[(codes & 0x7F) == 0x7F] = 0
-    w = codes.view(torch.float8_e4m3fn).float()
+    w = _e4m3_values(experts, k, n)
     for e in range(experts):
         for k0 in range(0, k, 128):
             for n0 in range(0, n, 128):

@@ -67,6 +67,11 @@ def _dtype(args) -> torch.dtype:
     return torch.bfloat16 if args.device == "cuda" else torch.float32
 
 
+def _unit(args) -> str:
+    """What a process runs on, for the printed rows."""
+    return "GPU" if args.device == "cuda" else "rank"
+
+
 def _build(args) -> MoEStack:
     torch.manual_seed(0)
     model = MoEStack(args.layers, args.dim, args.hidden, args.experts, args.top_k, args.impl, args.expert,
@@ -241,7 +246,7 @@ def _multi_gpu(rank: int, world: int, args, out_path: str) -> None:
             with open(out_path, "w") as file:
                 json.dump(results, file)
             done = f"{row['step_s'] * 1e3:.2f} ms a step" if "step_s" in row else row.get("error") or json.dumps(row)
-            print(f"  {world} {'GPU' if args.device == 'cuda' else 'rank'}s, {key}: {done}", flush=True)
+            print(f"  {world} {_unit(args)}s, {key}: {done}", flush=True)
 
     record("exchange", _run_row(lambda: _time_exchange(args, peer_memory=False)))
     for exchange, degree in _setups(args):
@@ -299,7 +304,7 @@ def main(argv: list[str] | None = None) -> int:
                      " (--device cpu runs the code path on CPU processes)")
 
     single = _run_row(lambda: _single_gpu(args))
-    unit = "GPU" if args.device == "cuda" else "rank"
+    unit = _unit(args)
     print(f"  1 {unit}: {single['step_s'] * 1e3:.2f} ms a step" if "step_s" in single else f"  1 {unit}: {single['error']}",
           flush=True)
     if args.device == "cuda":
