@@ -65,23 +65,49 @@ def median_ms(step: Callable[[], object], device: torch.device | str, warmup: in
     return statistics.median(step_times_ms(step, device, warmup, steps, sync_each))
 
 
-def profile_table(step: Callable[[], None], device: torch.device, rows: int = 15) -> str:
-    """The kernels of three steps, most time first, and the lines where a step waits for the GPU."""
+def kernel_table(kernels: list[tuple[str, float, int]], steps: int, wall_ms: float, rows: int) -> str:
+    """Rows of (kernel name, total microseconds, launches) over `steps` steps -> a table of the
+    `rows` costliest, per step, with the GPU's busy time against the wall time of a step."""
+    busy_ms = sum(us for _, us, _ in kernels) / 1e3 / steps
+    lines = [f"GPU busy {busy_ms:.2f} ms of a {wall_ms:.2f} ms step ({busy_ms / wall_ms:.0%}); "
+             f"kernels, most time first (ms and launches per step):",
+             f"{'ms':>9} {'share':>6} {'launches':>8}  kernel"]
+    for name, us, count in sorted(kernels, key=lambda kernel: -kernel[1])[:rows]:
+        ms = us / 1e3 / steps
+        lines.append(f"{ms:9.3f} {ms / busy_ms:6.1%} {count / steps:8.1f}  {name[:140]}")
+    shown = sum(us for _, us, _ in sorted(kernels, key=lambda kernel: -kernel[1])[:rows]) / 1e3 / steps
+    lines.append(f"{busy_ms - shown:9.3f} {(busy_ms - shown) / busy_ms if busy_ms else 0:6.1%} "
+                 f"{'':>8}  the other {max(0, len(kernels) - rows)} kernels")
+    return "\n".join(lines)
+
+
+def profile_table(step: Callable[[], None], device: torch.device, rows: int = 40) -> str:
+    """What three steps run, most time first: on a GPU each kernel's own GPU time per step and how
+    busy the GPU is, on a CPU the host's operators; then the lines where a step waits for the GPU."""
+    steps = 3
     activities = [torch.profiler.ProfilerActivity.CPU]
     if device.type == "cuda":
         activities.append(torch.profiler.ProfilerActivity.CUDA)
+        torch.cuda.synchronize(device)
+    begin = time.perf_counter()
     with torch.profiler.profile(activities=activities) as profiler:
-        for _ in range(3):
+        for _ in range(steps):
             step()
-    sort_by = "cuda_time_total" if device.type == "cuda" else "cpu_time_total"
-    table = profiler.key_averages().table(sort_by=sort_by, row_limit=rows)
-    if device.type == "cuda":
-        # A host sync inside the step leaves the GPU idle while the host launches what follows.
-        torch.cuda.set_sync_debug_mode("warn")
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            step()
-        torch.cuda.set_sync_debug_mode("default")
-        syncs = sorted({f"{w.filename}:{w.lineno}" for w in caught if "synchroniz" in str(w.message)})
-        table += "\nhost syncs in one step: " + (", ".join(syncs) or "none")
-    return table
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    wall_ms = (time.perf_counter() - begin) * 1e3 / steps
+    if device.type != "cuda":
+        return profiler.key_averages().table(sort_by="cpu_time_total", row_limit=rows)
+    # GPU-side entries, without the ranges user annotations (the optimizer's step) span over kernels.
+    kernels = [(entry.key, entry.self_device_time_total, entry.count) for entry in profiler.key_averages()
+               if entry.device_type == torch.autograd.DeviceType.CUDA and entry.self_device_time_total > 0
+               and not getattr(entry, "is_user_annotation", False)]
+    table = kernel_table(kernels, steps, wall_ms, rows)
+    # A host sync inside the step leaves the GPU idle while the host launches what follows.
+    torch.cuda.set_sync_debug_mode("warn")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        step()
+    torch.cuda.set_sync_debug_mode("default")
+    syncs = sorted({f"{w.filename}:{w.lineno}" for w in caught if "synchroniz" in str(w.message)})
+    return table + "\nhost syncs in one step: " + (", ".join(syncs) or "none")

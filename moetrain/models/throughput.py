@@ -162,8 +162,7 @@ def main(argv=None) -> dict:
     if args.anatomy:
         print(anatomy_table(result["anatomy"], result["step_ms"]))
     if args.profile:
-        print(profile_table(lambda: training_step(model, optimizer, tokens_BT, loss_fn, args.autocast), device,
-                            rows=30))
+        print(profile_table(lambda: training_step(model, optimizer, tokens_BT, loss_fn, args.autocast), device))
     return result
 
 
