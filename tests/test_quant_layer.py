@@ -316,9 +316,10 @@ KERNEL_CHECK = textwrap.dedent("""
     # FP8 activations: the scales are bit-exact. The interpreter's own fp32 -> E4M3 cast misrounds
     # (values just below a power of two drop a binade, some ties go up, NaN becomes a number), so
     # here the codes are only checked to within a factor of two; the GPU test checks them bit for bit.
-    for group, k in ((128, 300), (96, 96), (128, 256)):
+    # (Several rows a program: 4 rows of 3 groups at k=300, 32 rows of one group at k=40.)
+    for group, k in ((128, 300), (96, 96), (128, 256), (64, 40)):
         x = (torch.randn(7, k) * 3).half()
-        x[1, 5], x[2], x[3, 70] = float("inf"), 0.0, float("nan")
+        x[1, 5], x[2], x[3, k - 1] = float("inf"), 0.0, float("nan")
         q, scale = kernels.quantize_fp8(x, group)
         q_ref, scale_ref = quantize_fp8_groups(x.float(), group)
         assert torch.equal(scale.nan_to_num(-1.0), scale_ref.nan_to_num(-1.0))
@@ -354,9 +355,9 @@ def test_triton_kernels_compile_for_hopper():
                               options=options).asm["ptx"]
 
     ptx = compile_ptx(kernels._quantize_fp8_kernel,
-                      {"x_ptr": "*bf16", "up_ptr": "*bf16", "q_ptr": "*u8", "scale_ptr": "*fp32", "K": "i32",
+                      {"x_ptr": "*bf16", "up_ptr": "*bf16", "q_ptr": "*u8", "scale_ptr": "*fp32", "R": "i32", "K": "i32",
                        "stride_x": "i32", "stride_up": "i32", "stride_q": "i32", "stride_s": "i32"},
-                      {"GROUP": 128, "GROUP_P2": 128, "GROUPS": 16, "SWIGLU": True}, num_warps=8)
+                      {"GROUP": 128, "GROUP_P2": 128, "GROUPS": 8, "ROWS": 2, "SWIGLU": True}, num_warps=8)
     assert "cvt.rn.satfinite.e4m3x2.f32" in ptx and "div.rn.f32" in ptx  # hardware RNE cast, IEEE division
     gemm_types = {"x_scale_ptr": "*fp32", "tensor_scale_ptr": "*fp32", "y_ptr": "*bf16", "start_ptr": "*i32",
                   "count_ptr": "*i32", **dict.fromkeys(["N", "K", "ROW_TILES", "NUM_EXPERTS", "stride_xr", "stride_xsr",
