@@ -67,10 +67,10 @@ def median_ms(step: Callable[[], object], device: torch.device | str, warmup: in
 
 def kernel_table(kernels: list[tuple[str, float, int]], steps: int, wall_ms: float, rows: int) -> str:
     """Rows of (kernel name, total microseconds, launches) over `steps` steps -> a table of the
-    `rows` costliest, per step, with the GPU's busy time against the wall time of a step."""
+    `rows` costliest, per step, with the GPU's busy time against wall_ms, a step's wall time."""
     busy_ms = sum(us for _, us, _ in kernels) / 1e3 / steps
-    lines = [f"GPU busy {busy_ms:.2f} ms of a {wall_ms:.2f} ms step ({busy_ms / wall_ms:.0%}); "
-             f"kernels, most time first (ms and launches per step):",
+    lines = [f"GPU busy {busy_ms:.2f} ms a step (profiled) of a {wall_ms:.2f} ms step (not profiled: "
+             f"{busy_ms / wall_ms:.0%}); kernels, most time first (ms and launches per step):",
              f"{'ms':>9} {'share':>6} {'launches':>8}  kernel"]
     for name, us, count in sorted(kernels, key=lambda kernel: -kernel[1])[:rows]:
         ms = us / 1e3 / steps
@@ -88,16 +88,13 @@ def profile_table(step: Callable[[], None], device: torch.device, rows: int = 40
     activities = [torch.profiler.ProfilerActivity.CPU]
     if device.type == "cuda":
         activities.append(torch.profiler.ProfilerActivity.CUDA)
-        torch.cuda.synchronize(device)
-    begin = time.perf_counter()
     with torch.profiler.profile(activities=activities) as profiler:
         for _ in range(steps):
             step()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-    wall_ms = (time.perf_counter() - begin) * 1e3 / steps
     if device.type != "cuda":
         return profiler.key_averages().table(sort_by="cpu_time_total", row_limit=rows)
+    # The wall time of a step without the profiler, whose own host work would stretch it.
+    wall_ms = sum(step_times_ms(step, device, warmup=0, steps=steps)) / steps
     # GPU-side entries, without the ranges user annotations (the optimizer's step) span over kernels.
     kernels = [(entry.key, entry.self_device_time_total, entry.count) for entry in profiler.key_averages()
                if entry.device_type == torch.autograd.DeviceType.CUDA and entry.self_device_time_total > 0

@@ -32,7 +32,7 @@ def test_kernel_table_divides_by_the_steps_and_sorts_by_time():
     steps, wall_ms = 3, 50.0
     lines = kernel_table(kernels, steps, wall_ms, rows=5).splitlines()
     busy_ms = sum(us for _, us, _ in kernels) / 1e3 / steps
-    assert lines[0].startswith(f"GPU busy {busy_ms:.2f} ms of a 50.00 ms step")
+    assert lines[0].startswith(f"GPU busy {busy_ms:.2f} ms a step (profiled) of a 50.00 ms step")
     expected = sorted(kernels, key=lambda k: k[1], reverse=True)
     for line, (name, us, count) in zip(lines[2:7], expected):
         ms, share, launches, printed_name = line.split()
