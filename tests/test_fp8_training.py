@@ -140,10 +140,24 @@ def quantizer_interpreter_checks() -> None:
             counts_E = torch.tensor(counts, dtype=torch.int64)
             for extra in (0, 32):
                 places = (int(training.padded_ends(counts_E)[-1]) if counts else 0) + extra
-                got_q, got_scale = training._quantize_columns_triton(x, counts_E, places)
-                want_q, want_scale = training.quantize_columns(x, counts_E, places)
-                assert torch.equal(got_q.view(torch.uint8), want_q.view(torch.uint8)), (counts, cols, extra)
-                assert torch.equal(got_scale, want_scale), (counts, cols, extra)
+                # with a second operand of other columns, one layout for both (the weight gradient's pair)
+                dy = _exact_values(sum(counts), 40, starts).to(torch.bfloat16)
+                got = training._quantize_column_list_triton([x, dy], counts_E.to(torch.int32), places)
+                want = training.quantize_columns(x, counts_E, places) + training.quantize_columns(dy, counts_E, places)
+                for got_t, want_t in zip(got, want, strict=True):
+                    assert got_t.dtype == want_t.dtype and got_t.shape == want_t.shape, (counts, cols, extra)
+                    assert torch.equal(got_t.view(torch.uint8) if got_t.dtype == torch.float8_e4m3fn else got_t,
+                                       want_t.view(torch.uint8) if want_t.dtype == torch.float8_e4m3fn else want_t), \
+                        (counts, cols, extra)
+    # A NaN or an infinity makes its (expert, column)'s scale NaN and no other (only the scales are
+    # compared: the interpreter encodes NaN wrongly).
+    x = _exact_values(60, 48, [0, 25]).to(torch.bfloat16)
+    x[30, 7], x[5, 40] = float("nan"), float("-inf")
+    counts_E = torch.tensor([25, 35])
+    _, got_scale = training._quantize_columns_triton(x, counts_E, int(training.padded_ends(counts_E)[-1]))
+    nan = torch.zeros(2, 48, dtype=torch.bool)
+    nan[1, 7] = nan[0, 40] = True
+    assert torch.equal(got_scale.isnan(), nan)
     w = _exact_values(3 * 70, 50, [0, 70, 140]).view(3, 70, 50)  # groups: each expert's K rows of a column
     got_q, got_scale = training._quantize_weight_columns_triton(w)
     want_q, want_scale = training.quantize_weight(w, over=1)

@@ -616,8 +616,7 @@ def _bench_gemm(shape: str, gemm: str, counts: list[int], k: int, n: int, seed: 
     # wgrad: each expert's rows padded to 16 for torch (zeros), scales per expert and column
     padded_ends_E = training.padded_ends(counts_E)
     padded = int(padded_ends_E[-1])
-    xq_KP, sx_EK = training.quantize_columns(x, counts_E, padded)
-    dyq_NP, sdy_EN = training.quantize_columns(dy, counts_E, padded)
+    xq_KP, sx_EK, dyq_NP, sdy_EN = training.quantize_column_pair(x, dy, counts_E, padded)
     ops = (xq_KP.t(), dyq_NP.t(), padded_ends_E, sx_EK, sdy_EN, 0)
     record("wgrad", "fp8 row ours", lambda cfg: grouped_mm_wgrad(*ops[:5], out_dtype=bf16, config=cfg), ops, FP8)
     record("wgrad", "fp8 row torch", lambda cfg: torch._scaled_grouped_mm(

@@ -132,7 +132,7 @@ def quantize_columns(x_RC: torch.Tensor, counts_E: torch.Tensor, padded_rows: in
     of padded_ends (given so that the CUDA path does not wait for the GPU)."""
     num_experts, cols = counts_E.numel(), x_RC.size(1)
     if x_RC.is_cuda:
-        return _quantize_columns_cuda(x_RC.contiguous(), counts_E.to(torch.int32), padded_rows)
+        return tuple(_quantize_columns_cuda([x_RC.contiguous()], counts_E.to(torch.int32), padded_rows))
     q_CP = torch.zeros(cols, padded_rows, dtype=torch.float8_e4m3fn)
     scale_EC = torch.ones(num_experts, cols, dtype=torch.float32)  # 1: an expert without rows
     padded_starts = [0] + padded_ends(counts_E).tolist()[:-1]
@@ -142,6 +142,17 @@ def quantize_columns(x_RC: torch.Tensor, counts_E: torch.Tensor, padded_rows: in
             scale_EC[e] = fp8_scale(*finite_amax(x_cR, 1))
             q_CP[:, padded_start:padded_start + x_cR.size(1)] = e4m3_encode(x_cR / scale_EC[e].unsqueeze(1))
     return q_CP, scale_EC
+
+
+def quantize_column_pair(a_RK: torch.Tensor, b_RN: torch.Tensor, counts_E: torch.Tensor,
+                         padded_rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """quantize_columns of both operands of a weight-gradient GEMM, which share their rows' experts:
+    (a values, a scales, b values, b scales). On CUDA one call, whose row layout (each row's expert,
+    the padded ends) is computed once for both."""
+    if a_RK.is_cuda:
+        return tuple(_quantize_columns_cuda([a_RK.contiguous(), b_RN.contiguous()], counts_E.to(torch.int32),
+                                            padded_rows))
+    return quantize_columns(a_RK, counts_E, padded_rows) + quantize_columns(b_RN, counts_E, padded_rows)
 
 
 if triton is not None:
@@ -171,6 +182,15 @@ if triton is not None:
         for e in range(first, last + 1):
             mine = tl.max(tl.where((expert == e)[:, None], magnitude, 0.0), axis=0)
             tl.atomic_max(amax_ptr + e * C + cols, mine, mask=col_ok, sem="relaxed")
+
+    @triton.jit
+    def _fp8_scales_kernel(amax_ptr, n, BLOCK: tl.constexpr):
+        """In place, amax -> formats.fp8_scale(amax, amax < inf) (the amax kernel's +Inf stands for
+        a non-finite value): one launch where torch takes eight small operations."""
+        i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        ok = i < n
+        amax = tl.load(amax_ptr + i, mask=ok, other=0.0)
+        tl.store(amax_ptr + i, _fp8_scale(amax, amax < float("inf")), mask=ok)
 
     @triton.jit
     def _quantize_transposed_kernel(x_ptr, block_expert_ptr, ends_ptr, padded_ends_ptr, scale_ptr, q_ptr,
@@ -225,24 +245,32 @@ _AMAX_ROWS, _AMAX_COLS, _AMAX_WARPS = 64, 128, 4
 _BLOCK_P, _BLOCK_C, _TRANSPOSED_WARPS = 64, 64, 4
 
 
+def _packed_layout(counts_E: torch.Tensor, rows: int, places: int) -> tuple[torch.Tensor, ...]:
+    """What the column kernels read of the packed layout: each expert's end row and padded end
+    (int32), each row's expert, and the expert of each ALIGN places of q (num_experts past the last)."""
+    ends_E = torch.cumsum(counts_E, 0, dtype=torch.int32)
+    padded_ends_E = padded_ends(counts_E)
+    block_expert = torch.searchsorted(padded_ends_E, torch.arange(0, places, ALIGN, device=counts_E.device,
+                                                                  dtype=torch.int32), right=True, out_int32=True)
+    return ends_E, padded_ends_E, expert_of_rows(counts_E, rows), block_expert
+
+
 def _quantize_transposed(x_RC: torch.Tensor, num_experts: int, counts_E: torch.Tensor | None, q: torch.Tensor,
-                         stride_qe: int, stride_qc: int, rows_per_matrix: int | None = None) -> torch.Tensor:
-    """Per-(expert, column) amax (a kernel), the scales from it (formats.fp8_scale: 1 for an expert
-    without rows or a zero column, NaN for a non-finite one), then quantize x into q transposed (a
+                         stride_qe: int, stride_qc: int, rows_per_matrix: int | None = None,
+                         layout: tuple[torch.Tensor, ...] | None = None) -> torch.Tensor:
+    """Per-(expert, column) amax (a kernel), the scales from it (a kernel, formats.fp8_scale: 1 for an
+    expert without rows or a zero column, NaN for a non-finite one), then quantize x into q transposed (a
     kernel); returns the scales [E, C]. counts_E: the packed layout's rows per expert (q is [C, P],
-    P = q.size(1), written whole); None: x is num_experts matrices of rows_per_matrix rows stacked
-    (default R / num_experts; the last one may be shorter)."""
+    P = q.size(1), written whole) and layout its _packed_layout (made here when None); counts_E None:
+    x is num_experts matrices of rows_per_matrix rows stacked (default R / num_experts; the last one
+    may be shorter)."""
     rows, cols = x_RC.shape
     amax_EC = torch.zeros(num_experts, cols, dtype=torch.float32, device=x_RC.device)
     packed = counts_E is not None
     column_tiles = triton.cdiv(cols, _BLOCK_C)  # of the quantizing kernel
     if packed:
-        ends_E = torch.cumsum(counts_E, 0, dtype=torch.int32)
-        padded_ends_E = padded_ends(counts_E)
-        expert_R = expert_of_rows(counts_E, rows)
         places = q.size(1)
-        block_expert = torch.searchsorted(padded_ends_E, torch.arange(0, places, ALIGN, device=x_RC.device,
-                                                                      dtype=torch.int32), right=True, out_int32=True)
+        ends_E, padded_ends_E, expert_R, block_expert = layout or _packed_layout(counts_E, rows, places)
         rows_per_matrix = 1
         quantize_grid = (triton.cdiv(places, _BLOCK_P), 1, column_tiles)
     else:
@@ -255,7 +283,8 @@ def _quantize_transposed(x_RC: torch.Tensor, num_experts: int, counts_E: torch.T
             x_RC, expert_R, amax_EC, rows, cols, rows_per_matrix, PACKED=packed, BLOCK_R=_AMAX_ROWS,
             BLOCK_C=_AMAX_COLS, num_warps=_AMAX_WARPS)
         # once per (expert, column), not per element: the kernel below divides each value only once
-        scale_EC = fp8_scale(amax_EC, amax_EC < float("inf"))  # the amax kernel's +Inf: a non-finite value
+        scale_EC = amax_EC
+        _fp8_scales_kernel[(triton.cdiv(scale_EC.numel(), 1024),)](scale_EC, scale_EC.numel(), BLOCK=1024)
         _quantize_transposed_kernel[quantize_grid](
             x_RC, block_expert, ends_E, padded_ends_E, scale_EC, q, rows, cols, places, num_experts,
             rows_per_matrix, stride_qe, stride_qc, PACKED=packed, ALIGN_ROWS=ALIGN, BLOCK_P=_BLOCK_P,
@@ -263,28 +292,37 @@ def _quantize_transposed(x_RC: torch.Tensor, num_experts: int, counts_E: torch.T
     return scale_EC
 
 
-def _quantize_columns_triton(x_RC: torch.Tensor, counts_E: torch.Tensor, padded_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """quantize_columns by the Triton kernels (CUDA, or the interpreter on CPU tensors in the tests)."""
+def _quantize_columns_triton(x_RC: torch.Tensor, counts_E: torch.Tensor, padded_rows: int,
+                             layout: tuple[torch.Tensor, ...] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """quantize_columns by the Triton kernels (CUDA, or the interpreter on CPU tensors in the tests);
+    layout: _packed_layout(counts_E, R, padded_rows), made here when None."""
     cols, num_experts = x_RC.size(1), counts_E.numel()
     q_CP = torch.empty(cols, padded_rows, dtype=torch.uint8, device=x_RC.device)
     if num_experts and cols and x_RC.size(0):
-        scale_EC = _quantize_transposed(x_RC, num_experts, counts_E, q_CP, 0, padded_rows)  # padding: zeros
+        scale_EC = _quantize_transposed(x_RC, num_experts, counts_E, q_CP, 0, padded_rows,
+                                        layout=layout)  # padding: zeros
     else:
         q_CP.zero_()
         scale_EC = torch.ones(num_experts, cols, dtype=torch.float32, device=x_RC.device)  # experts without rows
     return q_CP.view(torch.float8_e4m3fn), scale_EC
 
 
+def _quantize_column_list_triton(xs: list[torch.Tensor], counts_E: torch.Tensor, padded_rows: int) -> list[torch.Tensor]:
+    """quantize_columns of each x (all of the same rows, so one layout serves them all): [values,
+    scales] of each, in order."""
+    layout = _packed_layout(counts_E, xs[0].size(0), padded_rows) if counts_E.numel() else None
+    return [out for x_RC in xs for out in _quantize_columns_triton(x_RC, counts_E, padded_rows, layout)]
+
+
 @torch.library.custom_op("moetrain::fp8_quantize_columns", mutates_args=(), device_types="cuda")
-def _quantize_columns_cuda(x_RC: torch.Tensor, counts_E: torch.Tensor, padded_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
-    return _quantize_columns_triton(x_RC, counts_E, padded_rows)
+def _quantize_columns_cuda(xs: list[torch.Tensor], counts_E: torch.Tensor, padded_rows: int) -> list[torch.Tensor]:
+    return _quantize_column_list_triton(xs, counts_E, padded_rows)
 
 
 @_quantize_columns_cuda.register_fake
-def _(x_RC, counts_E, padded_rows):
-    cols = x_RC.size(1)
-    return (x_RC.new_empty(cols, padded_rows, dtype=torch.float8_e4m3fn),
-            x_RC.new_empty(counts_E.numel(), cols, dtype=torch.float32))
+def _(xs, counts_E, padded_rows):
+    return [out for x_RC in xs for out in (x_RC.new_empty(x_RC.size(1), padded_rows, dtype=torch.float8_e4m3fn),
+                                           x_RC.new_empty(counts_E.numel(), x_RC.size(1), dtype=torch.float32))]
 
 
 def _quantize_weight_columns_triton(w_EKN: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -581,8 +619,7 @@ class _FP8ExpertMatmul(torch.autograd.Function):
             # padded rows: known on the host only from the counts; the CPU path needs them anyway and
             # on CUDA the worst case (every expert one row past a multiple) bounds it without a sync.
             padded = _padded_rows(counts_E, x_RK.size(0))
-            xq_KP, x_scale_EK = quantize_columns(x_RK, counts_E, padded)
-            dyq_NP, dy_scale_EN = quantize_columns(dy_RN, counts_E, padded)
+            xq_KP, x_scale_EK, dyq_NP, dy_scale_EN = quantize_column_pair(x_RK, dy_RN, counts_E, padded)
             grad_w = columns_matmul(xq_KP, x_scale_EK, dyq_NP, dy_scale_EN, counts_E).to(w_EKN.dtype)
         return grad_x, grad_w, None
 
