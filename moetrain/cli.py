@@ -72,7 +72,6 @@ from moetrain.moe import EXPERTS, GATES
 from moetrain.ops import ExtensionUnavailable
 from moetrain.quant import FORMATS
 from moetrain.parallel.launch import WorkerFailed, WorkersTerminated, choose_backend, init_from_torchrun, spawn
-from moetrain.parallel.training import Distributed
 from moetrain.train import NonFiniteLoss, Trainer, checkpoint, resolve_device, seed_everything
 from moetrain.train.lock import LOCK_NAME, RunDirectoryBusy, lock_run_directory, unlock_run_directory
 from moetrain.train.quantized_evaluation import evaluate_quantized
@@ -527,6 +526,10 @@ def train(cfg: DictConfig, run_dir: Path, distributed: bool = False) -> dict:
     distributed: this process is one rank of an initialised process group."""
     config = checked(cfg)
     log.info("run directory %s", run_dir)
+    # Imported here: FSDP's and DCP's modules take about a second to import, which every command
+    # (its --help and its bad-input errors included) would otherwise wait for.
+    from moetrain.parallel.training import Distributed  # noqa: PLC0415
+
     data, model = build(config)
     log.info("model %s: %.2fM parameters", config.model["_target_"], sum(p.numel() for p in model.parameters()) / 1e6)
     trainer = Trainer(
