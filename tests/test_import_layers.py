@@ -121,3 +121,22 @@ def test_library_errors_name_no_config_keys():
     offenders = {f"{name}:{line}": text for name, path in MODULES.items() if name not in CONFIG_ERROR_ALLOWED
                  for line, text in raised_texts(path) if CONFIG_KEY.search(text)}
     assert offenders == {}
+
+
+def test_the_command_starts_without_fsdp_and_dcp():
+    """The console script's modules do not import torch's FSDP, DTensor or DCP (about a second of
+    every command's start, its --help and bad-input errors included); a distributed run imports them
+    when it builds its trainer seam. Checked in a fresh interpreter, where nothing else loaded them."""
+    import subprocess
+    import sys
+
+    heavy = ["torch.distributed.fsdp", "torch.distributed.tensor", "torch.distributed.checkpoint"]
+    probe = (f"import sys, moetrain.cli, moetrain.commands, moetrain.parallel; "
+             f"print([m for m in {heavy!r} if m in sys.modules])")
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip() == "[]", result.stdout
+    # and the lazy name still resolves
+    probe = "import moetrain.parallel as p, sys; p.shard_model; print('torch.distributed.fsdp' in sys.modules)"
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert result.stdout.strip() == "True", result.stderr[-2000:]
