@@ -56,7 +56,7 @@ import torch.nn.functional as F
 from moetrain import MoELayer
 from moetrain.ops import grouped, triton_grouped
 from moetrain.quant.training import fp8_supported
-from moetrain.timing import median_ms, profile_table
+from moetrain.timing import host_ms, median_ms, profile_table
 
 
 @dataclass(frozen=True)
@@ -287,7 +287,8 @@ def peak_step_gib(step: Callable[[], None], device: torch.device) -> float:
 
 def _measure(step: Callable[[], None], shape: Shape, device: torch.device, warmup: int, steps: int) -> dict:
     ms = median_ms(step, device, warmup, steps)
-    return {"ms": ms, "tflops": shape.useful_flops() / (ms * 1e-3) / 1e12, "peak_gib": peak_step_gib(step, device)}
+    return {"ms": ms, "tflops": shape.useful_flops() / (ms * 1e-3) / 1e12, "peak_gib": peak_step_gib(step, device),
+            "host_ms": host_ms(step, device)}
 
 
 def dense_ceiling(device: torch.device, dtype: torch.dtype, size: int = 8192, warmup: int = 3, steps: int = 20) -> float:
@@ -426,6 +427,13 @@ def gpu_table(results: list[dict], ceiling: float) -> str:
                      "bf16 layer with moetrain.ops.triton_grouped's GEMMs instead of torch._grouped_mm")
     lines.append(f"useful expert TFLOP/s, forward + backward; dense GEMM ceiling {ceiling:.0f} TFLOP/s; "
                  "gemms = the expert GEMMs alone (the bound)")
+    lines.append("host ms to issue a step / ms of the step (host near the step: the host bounds it): " + "; ".join(
+        f"{r['shape']['name']} " + ", ".join(
+            f"{label} {r[column]['host_ms']:.2f} / {r[column]['ms']:.2f}"
+            for column, label in (("moetrain", "bf16" if r["shape"].get("expert") == "swiglu" else "moetrain"),
+                                  ("moetrain_fp8", "fp8"), ("moetrain_fp8_block", "fp8_block"))
+            if r.get(column, {}).get("host_ms") is not None)
+        for r in results))
     compiled = [r for r in results if "compiled" in r]
     if compiled:
         lines.append("torch.compile(layer): " + "; ".join(

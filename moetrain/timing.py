@@ -8,7 +8,8 @@ its host time; with sync_each=False the calls are queued back to back and synchr
 end (the host may run ahead, as in training), with sync_each=True every call is waited for (calls
 whose host work must not overlap the next one). On a CPU the host clock times each call.
 peak_bf16_flops gives the device's dense bf16 peak that MFU figures divide by; profile_table the
-kernels of a few steps, most time first (the benchmarks' --profile).
+kernels of a few steps, most time first (the benchmarks' --profile); host_ms the host's time to
+issue a step on a GPU, which says whether the host or the GPU bounds it.
 """
 
 from __future__ import annotations
@@ -63,6 +64,23 @@ def median_ms(step: Callable[[], object], device: torch.device | str, warmup: in
               sync_each: bool = False) -> float:
     """Median milliseconds of one call of step() (step_times_ms)."""
     return statistics.median(step_times_ms(step, device, warmup, steps, sync_each))
+
+
+def host_ms(step: Callable[[], object], device: torch.device | str, steps: int = 4) -> float | None:
+    """Milliseconds the host takes to issue one call of step() on a GPU: the calls are queued without
+    waiting for the GPU, so a figure well below the step's GPU time means the GPU bounds the step,
+    and one near it that the host does (or that the step waits for the GPU somewhere). None on a
+    CPU, where the host does all the work."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return None
+    torch.cuda.synchronize(device)
+    begin = time.perf_counter()
+    for _ in range(steps):
+        step()
+    ms = (time.perf_counter() - begin) * 1e3 / steps
+    torch.cuda.synchronize(device)
+    return ms
 
 
 def kernel_table(kernels: list[tuple[str, float, int]], steps: int, wall_ms: float, rows: int) -> str:

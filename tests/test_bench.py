@@ -89,3 +89,18 @@ def test_lm_table_has_fp8_and_fp8_block_against_bf16():
     result["moetrain_triton"] = timed(440.0)
     row = next(line for line in bench.gpu_table([result], 800.0).splitlines() if line.startswith("moe_1b5"))
     assert row.rstrip().endswith("nan     nanx  1.25x        -      440    1.10x")
+
+
+def test_gpu_table_says_how_long_the_host_takes_to_issue_each_step():
+    """The line under the GPU table: each moetrain column's host milliseconds against its step's,
+    per shape; columns without a host figure (a CPU, a column that did not run) are left out."""
+    import random
+
+    rng = random.Random()
+    figures = {column: (rng.uniform(1, 20), rng.uniform(1, 20)) for column in ("moetrain", "moetrain_fp8")}
+    result = {"shape": {"name": "moe_1b5", "expert": "swiglu"}, "grouped_mm": {"ms": 1.0, "tflops": 1.0, "peak_gib": 1.0},
+              **{column: {"ms": ms, "tflops": 1.0, "peak_gib": 1.0, "host_ms": host}
+                 for column, (host, ms) in figures.items()}}
+    line = next(line for line in bench.gpu_table([result], 800.0).splitlines() if line.startswith("host ms"))
+    (host, ms), (host8, ms8) = figures["moetrain"], figures["moetrain_fp8"]
+    assert line.endswith(f"moe_1b5 bf16 {host:.2f} / {ms:.2f}, fp8 {host8:.2f} / {ms8:.2f}")
