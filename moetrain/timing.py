@@ -90,10 +90,11 @@ def kernel_table(kernels: list[tuple[str, float, int]], steps: int, wall_ms: flo
     lines = [f"GPU busy {busy_ms:.2f} ms a step (profiled) of a {wall_ms:.2f} ms step (not profiled: "
              f"{busy_ms / wall_ms:.0%}); kernels, most time first (ms and launches per step):",
              f"{'ms':>9} {'share':>6} {'launches':>8}  kernel"]
-    for name, us, count in sorted(kernels, key=lambda kernel: -kernel[1])[:rows]:
+    costliest = sorted(kernels, key=lambda kernel: -kernel[1])[:rows]
+    for name, us, count in costliest:
         ms = us / 1e3 / steps
         lines.append(f"{ms:9.3f} {ms / busy_ms:6.1%} {count / steps:8.1f}  {name[:140]}")
-    shown = sum(us for _, us, _ in sorted(kernels, key=lambda kernel: -kernel[1])[:rows]) / 1e3 / steps
+    shown = sum(us for _, us, _ in costliest) / 1e3 / steps
     lines.append(f"{busy_ms - shown:9.3f} {(busy_ms - shown) / busy_ms if busy_ms else 0:6.1%} "
                  f"{'':>8}  the other {max(0, len(kernels) - rows)} kernels")
     return "\n".join(lines)
