@@ -52,12 +52,16 @@ def test_router_logits_kernel_only_w_grad_and_misaligned_input():
     x_big = torch.randn(65, 128, device="cuda", dtype=torch.bfloat16)
     x = x_big.view(-1)[8 : 8 + 64 * 128].view(64, 128)  # a 16-byte-aligned view: still the kernel path
     x_odd = x_big.view(-1)[3 : 3 + 64 * 128].view(64, 128)  # misaligned: copied first
-    w = torch.randn(8, 128, device="cuda", requires_grad=True)
+    w_big = torch.randn(9, 128, device="cuda")
+    # The kernels read w as 16-byte vectors too: a weight 4 bytes off that is copied first.
+    w_odd = w_big.view(-1)[1 : 1 + 8 * 128].view(8, 128)
     for xi in (x, x_odd):
-        got = kernel_logits(xi, w)
-        torch.testing.assert_close(got, xi.float() @ w.t(), rtol=1e-5, atol=1e-5)
-        (gw,) = torch.autograd.grad(got.sum(), [w])
-        torch.testing.assert_close(gw, xi.float().sum(0).expand(8, -1), rtol=1e-4, atol=1e-4)
+        for w_in in (torch.randn(8, 128, device="cuda"), w_odd):
+            w = w_in.detach().requires_grad_()
+            got = kernel_logits(xi, w)
+            torch.testing.assert_close(got, xi.float() @ w.t(), rtol=1e-5, atol=1e-5)
+            (gw,) = torch.autograd.grad(got.sum(), [w])
+            torch.testing.assert_close(gw, xi.float().sum(0).expand(8, -1), rtol=1e-4, atol=1e-4)
 
 
 @cuda
