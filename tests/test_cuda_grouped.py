@@ -128,3 +128,42 @@ def test_expert_bias_value_and_gradient(device, dtype, capacity):
         assert torch.allclose(out[real.to(device)].double(), want, rtol=tol, atol=tol)
         out.backward(grad)
         assert torch.allclose(b_in.grad.double().cpu(), want_b_grad, rtol=3 * tol, atol=3 * tol)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_group_ends_are_cumulative_counts_with_the_padding_in_the_last_group(device):
+    counts = torch.randint(0, 9, (7,), generator=torch.Generator().manual_seed(3))
+    rows = int(counts.sum()) + 5
+    ends = grouped.group_ends(counts.to(device), rows, torch.device(device))
+    want = counts.cumsum(0)
+    want[-1] = rows
+    assert ends.dtype == torch.int32 and ends.device.type == device
+    assert torch.equal(ends.cpu(), want.to(torch.int32))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("precision", ["bf16", "fp8", "fp8_block"])
+def test_a_dropless_layer_step_never_waits_for_the_gpu(precision):
+    """A wait inside the step keeps the host from queueing ahead (a setitem of a Python number on a
+    CUDA tensor once cost two waits a step): torch's sync debug mode turns any wait into an error."""
+    from moetrain import MoELayer  # noqa: PLC0415
+    from moetrain.quant.training import fp8_supported  # noqa: PLC0415
+
+    if precision != "bf16" and not fp8_supported(torch.device("cuda"), precision)[0]:
+        pytest.skip(f"precision={precision!r} does not run on this GPU")
+    torch.manual_seed(0)
+    layer = MoELayer(256, 8, 128, top_k=2, expert="swiglu", activation="silu", capacity_factor=0.0,
+                     precision=precision).cuda().bfloat16()
+    layer.gate.float()
+    x = torch.randn(512, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+
+    def step():
+        torch.autograd.grad(layer(x).float().sum(), [x] + list(layer.parameters()))
+
+    step()  # first calls compile and cache kernels
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
