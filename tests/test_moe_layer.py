@@ -312,3 +312,37 @@ def test_router_stays_fp32_under_autocast():
     torch.testing.assert_close(logits, want, rtol=1e-6, atol=1e-6)
     bf16 = (x.bfloat16() @ layer.gate.weight_ED.bfloat16().t()).float()
     assert (bf16 - want).abs().max() > 1e-3  # so the check above can tell the two apart
+
+
+@pytest.mark.parametrize("expert", ["ffn", "swiglu"])
+@pytest.mark.parametrize("capacity_factor", [0.0, 1.25])
+def test_autocast_dispatches_tokens_in_the_autocast_dtype(monkeypatch, expert, capacity_factor):
+    """Under bf16 autocast the tokens reach dispatch (and the experts) already in bf16 while the
+    router reads fp32, and the layer computes what its experts would from fp32 tokens: the same
+    output bit for bit as a dispatch of the fp32 tokens (a copy commutes with the cast), gradients
+    within bf16 rounding, fp32 gradient for the fp32 input."""
+    from moetrain import ops  # noqa: PLC0415
+
+    torch.manual_seed(1)
+    layer = MoELayer(64, 4, 32, top_k=2, expert=expert, activation="silu" if expert == "swiglu" else "relu",
+                     capacity_factor=capacity_factor)
+    x = torch.randn(48, 64, requires_grad=True)
+    seen = []
+    dispatch = ops.dispatch
+    monkeypatch.setattr(ops, "dispatch", lambda x_TD, *a, **k: seen.append(x_TD.dtype) or dispatch(x_TD, *a, **k))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = layer(x)
+    assert seen == [torch.bfloat16]
+    (gx,) = torch.autograd.grad(y.float().sum(), [x])
+    assert gx.dtype == torch.float32
+    logits = layer.stats.router_logits
+    torch.testing.assert_close(logits, x.detach() @ layer.gate.weight_ED.t(), rtol=1e-6, atol=1e-6)
+
+    # The previous order as the reference: the fp32 tokens through dispatch, cast by each expert GEMM.
+    x_ref = x.detach().clone().requires_grad_()
+    monkeypatch.setattr(ops, "dispatch", lambda x_TD, *a, **k: dispatch(x_ref, *a, **k))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y_ref = layer(x_ref)
+    assert torch.equal(y, y_ref)
+    (gx_ref,) = torch.autograd.grad(y_ref.float().sum(), [x_ref])
+    torch.testing.assert_close(gx, gx_ref, rtol=2e-2, atol=2e-3)

@@ -193,7 +193,14 @@ class MoELayer(nn.Module):
             global_load_E, global_choices = self._global_load(plan.load_E, routed.topk_idx_TK.numel())
             if phase is not None:
                 phase[0].add(self, (plan, global_load_E, global_choices))
-        buf_RD = ops.dispatch(x_TD, plan.dest_TK, plan.num_rows, impl=self.impl)
+        # Under autocast the expert GEMMs multiply in the autocast dtype, so the tokens are cast once,
+        # here, instead of after dispatch: a copy commutes with the cast (same forward bit for bit),
+        # and dispatch, its backward, expert parallelism's all-to-all and each GEMM's input move half
+        # the bytes of fp32 activations. The router above still reads them in fp32.
+        x_experts_TD = x_TD
+        if x_TD.dtype == torch.float32 and torch.is_autocast_enabled(device):
+            x_experts_TD = x_TD.to(torch.get_autocast_dtype(device))
+        buf_RD = ops.dispatch(x_experts_TD, plan.dest_TK, plan.num_rows, impl=self.impl)
         out_RD = self.run_experts(buf_RD, plan, adaptive_r, a2a_ffn_overlap_degree)
         y_TD = ops.combine(out_RD, plan.dest_TK, routed.topk_weight_TK, impl=self.impl)
         if self.shared is not None:
