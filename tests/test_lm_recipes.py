@@ -43,12 +43,13 @@ def test_tiny_lm_recipes_train_and_report_perplexity(tmp_path):
 
 def test_h200_lm_recipe_runs_scaled_down_on_cpu(tmp_path):
     """The single-H200 recipe as it is (gate, optimizer, data task), with the model shrunk and
-    the device switched so it fits a CPU test."""
+    the device switched (and compilation off) so it fits a CPU test."""
     shrink = ["+model.dim=64", "+model.depth=2", "+model.num_heads=4", "+model.num_kv_heads=2", "+model.head_dim=16",
               "+model.expert_hidden_size=64", "model.vocab_size=512", "data.vocab_size=512", "data.seq_len=32",
               "data.train_size=64", "data.eval_size=16", "data.batch_size=4", "data.eval_batch_size=4"]
     command = [sys.executable, "-m", "moetrain", "+recipe=moe_1b5_h200_lm", *shrink, "trainer.max_steps=3",
-               "trainer.eval_batches=1", "trainer.device=cpu", "trainer.precision=fp32", "trainer.progress_bar=false",
+               "trainer.eval_batches=1", "trainer.device=cpu", "trainer.precision=fp32", "trainer.compile=false",
+               "trainer.progress_bar=false",
                "logger=none", f"hydra.run.dir={tmp_path}"]
     result = subprocess.run(command, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert result.returncode == 0, result.stderr[-2000:]
