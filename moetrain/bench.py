@@ -150,6 +150,14 @@ def naive_moe(layer: MoELayer, x_TD: torch.Tensor) -> torch.Tensor:
     return y_TD
 
 
+def _group_offsets(expert_N: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """int32 end of each expert's rows once the choices are sorted by expert, without a host sync
+    (torch.bincount waits for the GPU to size its output)."""
+    counts_E = torch.zeros(num_experts, dtype=torch.long, device=expert_N.device)
+    counts_E.scatter_add_(0, expert_N, torch.ones_like(expert_N))
+    return torch.cumsum(counts_E, 0, dtype=torch.int32)
+
+
 class GroupedMMBaseline:
     """torch's recipe as torchtitan writes it: sort the choices by expert, two torch._grouped_mm,
     weighted index_add back. Its weights are the layer's values stored [E, out, in] (both GEMM
@@ -174,9 +182,7 @@ class GroupedMMBaseline:
         order_N = torch.argsort(expert_N, stable=True)
         token_N = order_N // layer.top_k
         sorted_expert_N = expert_N[order_N]
-        counts_E = torch.zeros(layer.num_experts, dtype=torch.long, device=x_TD.device)
-        counts_E.scatter_add_(0, expert_N, torch.ones_like(expert_N))
-        offsets_E = torch.cumsum(counts_E, 0, dtype=torch.int32)
+        offsets_E = _group_offsets(expert_N, layer.num_experts)
         h_NH = torch._grouped_mm(x_TD[token_N], self.w1_EHD.transpose(1, 2), offs=offsets_E)
         one_hot_NE = F.one_hot(sorted_expert_N, layer.num_experts).to(x_TD.dtype)
         h_NH = F.relu(h_NH + one_hot_NE @ experts.b1)
@@ -204,7 +210,7 @@ class GroupedMMSwiGLUBaseline:
         expert_N = idx_TK.reshape(-1)
         order_N = torch.argsort(expert_N, stable=True)
         token_N = order_N // layer.top_k
-        offsets_E = torch.cumsum(torch.bincount(expert_N, minlength=layer.num_experts), 0, dtype=torch.int32)
+        offsets_E = _group_offsets(expert_N, layer.num_experts)
         x_ND = x_TD[token_N]
         gate_NH = torch._grouped_mm(x_ND, w_gate_EHD.transpose(1, 2), offs=offsets_E)
         up_NH = torch._grouped_mm(x_ND, w_up_EHD.transpose(1, 2), offs=offsets_E)

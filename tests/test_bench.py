@@ -40,6 +40,27 @@ def test_baselines_compute_the_dropless_layer(baseline):
         assert torch.allclose(got, expected, rtol=tol * 10, atol=tol * 10)
 
 
+def test_swiglu_baseline_computes_the_dropless_swiglu_layer():
+    """torch's recipe for the LM shapes: same value and gradients as MoELayer(expert="swiglu"),
+    dropless and renormalised, on fresh random inputs."""
+    if not hasattr(torch, "_grouped_mm"):
+        pytest.skip("this torch has no _grouped_mm")
+    shape = bench.Shape("tiny", tokens=53, model_dim=16, hidden_size=24, num_experts=6, top_k=3, expert="swiglu")
+    layer = bench.build_layer(shape, torch.device("cpu"), torch.float32, capacity_factor=0.0, impl="torch")
+    baseline = bench.GroupedMMSwiGLUBaseline(layer)
+    x = torch.randn(shape.tokens, shape.model_dim, requires_grad=True)
+    y, want = baseline(x), layer(x)
+    torch.testing.assert_close(y, want, rtol=1e-5, atol=1e-5)
+    # The baseline's own copies of the gate, up and down projections, stored [E, out, in].
+    grads = torch.autograd.grad(y.square().sum(), [x, layer.gate.weight_ED, *baseline.weights])
+    want_x, want_router, want_gate_up, want_down = torch.autograd.grad(
+        want.square().sum(), [x, layer.gate.weight_ED, layer.experts.w_gate_up, layer.experts.w_down])
+    want_gate, want_up = want_gate_up[..., 0::2], want_gate_up[..., 1::2]  # columns alternate gate, up
+    want_grads = (want_x, want_router, want_gate.transpose(1, 2), want_up.transpose(1, 2), want_down.transpose(1, 2))
+    for got, expected in zip(grads, want_grads):
+        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+
+
 def test_cli_runs_on_cpu_and_writes_json(tmp_path, monkeypatch, capsys):
     tiny = bench.Shape("tiny", tokens=64, model_dim=16, hidden_size=32, num_experts=4, top_k=2)
     monkeypatch.setitem(bench.CPU_SHAPES, "tiny", tiny)
