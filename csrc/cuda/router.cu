@@ -189,8 +189,9 @@ at::Tensor aligned_contiguous(const at::Tensor& x) {
   return reinterpret_cast<uintptr_t>(out.data_ptr()) % 16 == 0 ? out : out.clone();
 }
 
-// Calls fn(EP, TPW) with EP = E rounded up to 8/16/32/64 and TPW tokens per warp: the fastest of
-// 1-8 tokens a warp, timed on an H200 (8 experts: 4 tokens ran at 1.4 TB/s, 8 tokens at 1.0 TB/s).
+// Calls fn(EP, TPW) with EP = E rounded up to 8/16/32/64 and TPW tokens per warp, the fastest of
+// the counts timed on an H200 (8 experts: 2, 4 or 8 tokens, 4 ran at 1.4 TB/s and 8 at 1.0 TB/s;
+// 16 experts: 2 or 4; 32 experts: 1 or 2).
 template <typename Fn>
 void with_experts(int64_t E, const Fn& fn) {
   if (E <= 8) {
