@@ -197,3 +197,39 @@ def test_throughput_autocast_keeps_fp32_weights_and_computes_in_bf16():
     assert all(p.dtype == torch.float32 for p in model.parameters())
     assert any(not torch.equal(p, b) for p, b in zip(model.parameters(), before))
     assert all(state["exp_avg"].dtype == torch.float32 for state in optimizer.state.values())
+
+
+def test_qk_norm_under_autocast_stays_16_bit_on_the_fused_kernel():
+    """Under bf16 autocast the q/k RMSNorm (bf16 input from its projection, fp32 weight) multiplies
+    by its weight in bf16 as autocast does a Linear's: bf16 out, torch's fused kernel (no dtype
+    warning), the reference formula within one bf16 rounding, and a gradient for the fp32 weight.
+    Outside autocast, and for fp32 input under autocast, it is nn.RMSNorm bit for bit."""
+    import warnings  # noqa: PLC0415
+
+    from moetrain.models.layers import RMSNorm  # noqa: PLC0415
+
+    torch.manual_seed(0)
+    norm = RMSNorm(64, eps=1e-6)
+    with torch.no_grad():
+        norm.weight.uniform_(0.5, 1.5)
+    x = torch.randn(3, 5, 64, dtype=torch.bfloat16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # torch warns when it cannot take the fused kernel
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = norm(x)
+    assert y.dtype == torch.bfloat16
+    xf = x.float()
+    want = xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + 1e-6) * norm.weight.detach().bfloat16().float()
+    torch.testing.assert_close(y.float(), want, rtol=2**-7, atol=1e-6)
+    (grad_w,) = torch.autograd.grad(y.float().sum(), [norm.weight])
+    assert grad_w.dtype == torch.float32 and grad_w.abs().sum() > 0
+
+    plain = torch.nn.RMSNorm(64, eps=1e-6)
+    plain.load_state_dict(norm.state_dict())
+    x32 = torch.randn(3, 5, 64)
+    assert torch.equal(norm(x32), plain(x32))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # bf16 input, fp32 weight, no autocast: torch's unfused path, as before
+        assert torch.equal(norm(x), plain(x))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert torch.equal(norm(x32), plain(x32))

@@ -27,9 +27,25 @@ MODEL_ARGUMENTS = ("model_dim", "num_experts", "hidden_size", "activation", "exp
 MOE_KWARGS = tuple(name for name in inspect.signature(MoELayer).parameters if name not in MODEL_ARGUMENTS)
 
 
+class RMSNorm(nn.RMSNorm):
+    """torch's RMSNorm that, under autocast, multiplies by its weight in the autocast dtype, as autocast
+    does a Linear's weight. Activations already in that dtype (q and k after their projections, MLA's
+    compressed q and kv) then take torch's fused kernel and stay 16-bit; with the fp32 weight they took
+    the unfused path, with a dtype-mismatch warning, and came out fp32. Outside autocast, and for fp32
+    activations (the residual stream under autocast), it is nn.RMSNorm."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = self.weight
+        device = x.device.type
+        if (weight is not None and x.dtype != weight.dtype and torch.is_autocast_enabled(device)
+                and x.dtype == torch.get_autocast_dtype(device)):
+            weight = weight.to(x.dtype)
+        return F.rms_norm(x, self.normalized_shape, weight, self.eps)
+
+
 def make_norm(kind: str, dim: int, eps: float = 1e-6) -> nn.Module:
     if kind == "rmsnorm":
-        return nn.RMSNorm(dim, eps=eps)
+        return RMSNorm(dim, eps=eps)
     if kind == "layernorm":
         return nn.LayerNorm(dim, eps=eps)
     raise ValueError(f"norm must be one of {NORMS}, got {kind!r}")
@@ -141,8 +157,8 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(dim, num_kv_heads * head_dim, bias=bias)
         self.v_proj = nn.Linear(dim, num_kv_heads * head_dim, bias=bias)
         self.o_proj = nn.Linear(num_heads * head_dim, dim, bias=bias)
-        self.q_norm = nn.RMSNorm(head_dim, eps=norm_eps) if qk_norm else None
-        self.k_norm = nn.RMSNorm(head_dim, eps=norm_eps) if qk_norm else None
+        self.q_norm = RMSNorm(head_dim, eps=norm_eps) if qk_norm else None
+        self.k_norm = RMSNorm(head_dim, eps=norm_eps) if qk_norm else None
 
     def forward(self, x_BTD: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         return self.o_proj(self.mix(x_BTD, rotary))
@@ -201,10 +217,10 @@ class LatentAttention(nn.Module):
             self.q_proj = nn.Linear(dim, num_heads * qk_head_dim, bias=False)
         else:
             self.q_a_proj = nn.Linear(dim, q_lora_rank, bias=False)
-            self.q_a_norm = nn.RMSNorm(q_lora_rank, eps=norm_eps)
+            self.q_a_norm = RMSNorm(q_lora_rank, eps=norm_eps)
             self.q_b_proj = nn.Linear(q_lora_rank, num_heads * qk_head_dim, bias=False)
         self.kv_a_proj = nn.Linear(dim, kv_lora_rank + qk_rope_head_dim, bias=False)
-        self.kv_a_norm = nn.RMSNorm(kv_lora_rank, eps=norm_eps)
+        self.kv_a_norm = RMSNorm(kv_lora_rank, eps=norm_eps)
         self.kv_b_proj = nn.Linear(kv_lora_rank, num_heads * (qk_nope_head_dim + v_head_dim), bias=False)
         self.o_proj = nn.Linear(num_heads * v_head_dim, dim, bias=False)
 
