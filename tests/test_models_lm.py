@@ -233,3 +233,32 @@ def test_qk_norm_under_autocast_stays_16_bit_on_the_fused_kernel():
         assert torch.equal(norm(x), plain(x))
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert torch.equal(norm(x32), plain(x32))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("name", ["qwen3_moe_tiny", "deepseek_v3_tiny"])
+@pytest.mark.parametrize("autocast", [False, True], ids=["bf16 weights", "fp32 weights under autocast"])
+def test_a_training_step_never_waits_for_the_gpu(name, autocast):
+    """Forward, loss and backward of a dropless tiny LM queue on the GPU without one host sync (the
+    trainer's single sync per step comes after them): torch's sync debug mode turns any into an error."""
+    torch.manual_seed(0)
+    model = build_lm(name, vocab_size=256, max_seq_len=64, moe_kwargs={**PRESETS[name].moe_kwargs, "capacity_factor": 0})
+    model = model.cuda() if autocast else model.cuda().bfloat16()
+    for layer in moe_layers(model):
+        layer.gate.float()  # routers stay fp32, as the trainer keeps them
+    tokens = torch.randint(0, 256, (4, 64), device="cuda")
+
+    def step():
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+            logits = model(tokens)
+            loss = F.cross_entropy(logits.flatten(0, 1).float(), tokens.roll(-1, 1).flatten())
+            loss = loss + sum(layer.aux_loss for layer in moe_layers(model))
+        loss.backward()
+
+    step()  # first calls load and cache kernels
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
