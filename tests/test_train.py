@@ -220,3 +220,39 @@ def test_cuda_runs_under_bf16_autocast(tmp_path):
     assert trainer.optimizer.defaults["fused"]  # one fused AdamW kernel, not the multi-tensor default
     assert next(model.parameters()).device.type == "cuda" and next(model.parameters()).dtype == torch.float32
     assert math.isfinite(metrics["train/loss"]) and metrics["step"] == 2
+
+
+@pytest.mark.parametrize("max_norm", [float("inf"), 0.5])
+def test_gradient_norm_and_clipping_of_one_process(max_norm):
+    """SingleProcess.clip_grad_norm_: the global L2 norm of every gradient (a formula over the raw
+    values), the gradients scaled to max_norm when above it, and with clipping off (inf) not one
+    operation on the gradients (torch's clip_grad_norm_ would multiply each by 1)."""
+    from torch.utils._python_dispatch import TorchDispatchMode  # noqa: PLC0415
+
+    from moetrain.train.processes import SingleProcess  # noqa: PLC0415
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(func.__name__)
+            return func(*args, **(kwargs or {}))
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(7, 5), nn.ReLU(), nn.Linear(5, 3))
+    model(torch.randn(4, 7)).square().sum().backward()
+    before = [p.grad.clone() for p in model.parameters()]
+    want = math.sqrt(sum(float(g.double().square().sum()) for g in before))
+    with Ops() as ops:
+        norm = SingleProcess().clip_grad_norm_(model, max_norm)
+    assert norm.item() == pytest.approx(want, rel=1e-6)
+    after = [p.grad for p in model.parameters()]
+    if max_norm == float("inf"):
+        assert not any("mul" in name for name in ops.names), ops.names
+        assert all(torch.equal(a, b) for a, b in zip(after, before))
+    else:
+        assert want > max_norm  # so the gradients must shrink
+        for a, b in zip(after, before):
+            torch.testing.assert_close(a, b * (max_norm / want), rtol=1e-5, atol=1e-7)

@@ -196,8 +196,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         measure it); returns the norm before clipping, the same on every rank."""
         self.reduce_gradients()
         total = self.global_grad_norm()
-        torch.nn.utils.clip_grads_with_norm_([param for param in self._parameters() if param.grad is not None],
-                                             max_norm, total)
+        if max_norm != float("inf"):  # (scaling by 1 would be a pass over every gradient for nothing)
+            torch.nn.utils.clip_grads_with_norm_([param for param in self._parameters() if param.grad is not None],
+                                                 max_norm, total)
         return total
 
     @torch.no_grad()
