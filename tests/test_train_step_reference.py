@@ -167,8 +167,9 @@ def hand_steps(p: dict, steps: list[list[tuple]], optimizer: OptimizerName, grad
 
 @pytest.mark.parametrize(
     "optimizer,grad_clip",
-    [(OptimizerName.adamw, 0.0), (OptimizerName.adamw, 0.3), (OptimizerName.sgd, 0.0), (OptimizerName.sgd, 0.3)],
-    ids=["adamw", "adamw-clipped", "sgd", "sgd-clipped"],
+    [(OptimizerName.adamw, 0.0), (OptimizerName.adamw, 0.3), (OptimizerName.adamw, 1000.0), (OptimizerName.sgd, 0.0),
+     (OptimizerName.sgd, 0.3)],
+    ids=["adamw", "adamw-clipped", "adamw-limit-not-reached", "sgd", "sgd-clipped"],
 )
 def test_two_steps_match_the_hand_written_update(tmp_path, optimizer, grad_clip):
     trainer = make_trainer(tmp_path, optimizer, grad_clip)
@@ -183,8 +184,10 @@ def test_two_steps_match_the_hand_written_update(tmp_path, optimizer, grad_clip)
         assert loss == pytest.approx(want_loss, rel=1e-5)
         assert aux == pytest.approx(want_aux, rel=1e-5)
         assert norm == pytest.approx(want_norm, rel=1e-4)  # the norm before clipping
-    if grad_clip:
+    if grad_clip == 0.3:
         assert min(report[2] for report in want_reports) > grad_clip  # clipping really acted
+    elif grad_clip:
+        assert max(report[2] for report in want_reports) < grad_clip  # on, but the limit is not reached
     got = hand_parameters(trainer.model)
     for name in want:
         moved, want_moved = got[name] - start[name], want[name] - start[name]

@@ -178,11 +178,18 @@ def global_grad_norm(parameters: list[nn.Parameter], max_norm: float) -> torch.T
         squares = squares.to(torch.device("cuda", torch.cuda.current_device()))
     dist.all_reduce(squares)
     total = squares.sqrt()
-    grads = [grad for grad in grads if grad.numel()]
-    if grads and max_norm != float("inf"):
-        # As torch.nn.utils.clip_grads_with_norm_ scales (it takes parameters, these are local shards).
-        torch._foreach_mul_(grads, (max_norm / (total + 1e-6)).clamp(max=1.0).to(grads[0].device))
+    if max_norm != float("inf"):
+        scale_to_norm_(parameters, max_norm, total)
     return total
+
+
+@torch.no_grad()
+def scale_to_norm_(parameters: list[nn.Parameter], max_norm: float, total: torch.Tensor) -> None:
+    """Scales this rank's gradient shards by max_norm / (total + 1e-6), clamped to 1, as
+    torch.nn.utils.clip_grads_with_norm_ does (it takes parameters; these are local shards)."""
+    grads = [grad for grad in (_local(param.grad) for param in parameters if param.grad is not None) if grad.numel()]
+    if grads:
+        torch._foreach_mul_(grads, (max_norm / (total + 1e-6)).clamp(max=1.0).to(grads[0].device))
 
 
 def sync_router_biases_after_step(optimizer: torch.optim.Optimizer, model: nn.Module):

@@ -197,9 +197,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.reduce_gradients()
         total = self.global_grad_norm()
         if max_norm != float("inf"):  # (scaling by 1 would be a pass over every gradient for nothing)
-            torch.nn.utils.clip_grads_with_norm_([param for param in self._parameters() if param.grad is not None],
-                                                 max_norm, total)
+            self.clip_grads_with_norm_(max_norm, total)
         return total
+
+    def clip_grads_with_norm_(self, max_norm: float, total_norm: torch.Tensor) -> None:
+        """Scales this rank's gradients as clip_grad_norm_ does, given the global norm it returned."""
+        torch.nn.utils.clip_grads_with_norm_([param for param in self._parameters() if param.grad is not None],
+                                             max_norm, total_norm)
 
     @torch.no_grad()
     def global_grad_norm(self) -> torch.Tensor:

@@ -43,6 +43,7 @@ from moetrain.parallel.fsdp import (
     device_type_of,
     expert_mesh,
     global_grad_norm,
+    scale_to_norm_,
     shard_model,
     sync_router_biases_after_step,
 )
@@ -113,6 +114,13 @@ class Distributed:
         if self.fsdp:
             return global_grad_norm(list(model.parameters()), max_norm)
         return self.optimizer.clip_grad_norm_(max_norm)
+
+    def clip_grads_with_norm_(self, model: nn.Module, max_norm: float, total_norm: torch.Tensor) -> None:
+        """Scales this rank's gradients as clip_grad_norm_ would, given the global norm it returned."""
+        if self.fsdp:
+            scale_to_norm_(list(model.parameters()), max_norm, total_norm)
+        else:
+            self.optimizer.clip_grads_with_norm_(max_norm, total_norm)
 
     def mean_over_ranks(self, values: torch.Tensor) -> torch.Tensor:
         total = values.detach().clone()

@@ -40,6 +40,10 @@ class SingleProcess:
             return torch.nn.utils.get_total_norm(grads)
         return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
 
+    def clip_grads_with_norm_(self, model: nn.Module, max_norm: float, total_norm: torch.Tensor) -> None:
+        """Scales the gradients by max_norm / (total_norm + 1e-6), clamped to 1, as clip_grad_norm_."""
+        torch.nn.utils.clip_grads_with_norm_([p for p in model.parameters() if p.grad is not None], max_norm, total_norm)
+
     def mean_over_ranks(self, values: torch.Tensor) -> torch.Tensor:
         return values
 

@@ -344,16 +344,23 @@ class Trainer:
                 routing[name][0] += layer.stats.tokens_per_expert
                 routing[name][1] += layer.stats.kept_per_expert
         self.processes.reduce_gradients(self.model)
-        max_norm = self.cfg.grad_clip or math.inf  # with inf, clip_grad_norm_ only measures the norm
-        grad_norm = self.processes.clip_grad_norm_(self.model, max_norm)
+        grad_norm = self.processes.clip_grad_norm_(self.model, math.inf)  # measured; scaled below if need be
+        # The factor torch's clip_grad_norm_ scales the gradients by (1: not clipped).
+        max_norm = self.cfg.grad_clip
+        clip = (max_norm / (grad_norm + 1e-6)).clamp(max=1.0) if max_norm else torch.ones_like(grad_norm)
         # One host sync per step: the update must not happen when anything is non-finite. The losses
         # are averaged over ranks, so every rank logs and decides alike; a stop request (SIGTERM)
         # rides along, so that all ranks stop after the same step when any of them got one.
         stop = torch.tensor(float(self.stop_requested), device=self.device)
         reduced = self.processes.mean_over_ranks(torch.stack([loss_total / accum, aux_total / accum, stop]))
-        loss_value, aux_value, stop_value, norm_value = torch.cat([reduced, grad_norm.reshape(1).to(reduced)]).tolist()
+        loss_value, aux_value, stop_value, norm_value, clip_value = torch.cat(
+            [reduced, grad_norm.reshape(1).to(reduced), clip.reshape(1).to(reduced)]).tolist()
         self.stopping = stop_value > 0
         if all(math.isfinite(v) for v in (loss_value, aux_value, norm_value)):
+            # Clipping waits for the sync: a step whose norm is under the limit skips the pass over
+            # every gradient that multiplying by 1 would be.
+            if clip_value < 1.0:
+                self.processes.clip_grads_with_norm_(self.model, max_norm, grad_norm)
             self.optimizer.step()
             update_router_biases(self.model)
         elif self.cfg.on_nonfinite == NonFinite.stop:
