@@ -200,3 +200,15 @@ def write_corpus(folder) -> None:
     folder.mkdir()
     for index, text in enumerate(DOCUMENTS):
         (folder / f"{index:02d}.txt").write_text(text, encoding="utf-8")
+
+
+def assert_no_host_sync(step) -> None:
+    """Calls step() once to warm up (kernels loaded and cached), then again with torch's CUDA sync
+    debug mode set to "error": any wait for the GPU inside the step raises."""
+    step()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")

@@ -6,6 +6,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import assert_no_host_sync
 
 from moetrain.data.text import synthetic_lm
 from moetrain.models import PRESETS, build_lm, flops_per_token, parameter_counts
@@ -255,10 +256,4 @@ def test_a_training_step_never_waits_for_the_gpu(name, autocast):
             loss = loss + sum(layer.aux_loss for layer in moe_layers(model))
         loss.backward()
 
-    step()  # first calls load and cache kernels
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        step()
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
+    assert_no_host_sync(step)

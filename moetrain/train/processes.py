@@ -35,9 +35,8 @@ class SingleProcess:
     def clip_grad_norm_(self, model: nn.Module, max_norm: float) -> torch.Tensor:
         """The global gradient norm; scales the gradients to at most max_norm (inf: only measures:
         torch's clip_grad_norm_ would still multiply every gradient by 1, a pass over all of them)."""
-        grads = [param.grad for param in model.parameters() if param.grad is not None]
         if max_norm == float("inf"):
-            return torch.nn.utils.get_total_norm(grads)
+            return torch.nn.utils.get_total_norm([param.grad for param in model.parameters() if param.grad is not None])
         return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
 
     def clip_grads_with_norm_(self, model: nn.Module, max_norm: float, total_norm: torch.Tensor) -> None:
