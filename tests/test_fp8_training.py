@@ -553,6 +553,26 @@ def test_trainer_precision_fp8_block_runs_every_expert_gemm_in_fp8_block(tmp_pat
     assert calls["columns"] and calls["columns"] % 3 == 0 and calls["rows"] > 2 * calls["columns"], calls
 
 
+def test_training_gemm_bench_times_every_path_of_each_expert_gemm(capsys, monkeypatch):
+    """python -m moetrain.quant.bench --training-gemms: each expert GEMM (gate-up [R, D] x [E, D, 2H],
+    down [R, H] x [E, H, D]) on bf16 and both FP8 recipes, its forward and both backward GEMMs
+    counted (3 x 2 R K N); torchao's column appears only where torchao imports."""
+    from moetrain.quant import bench
+
+    monkeypatch.setitem(sys.modules, "torchao", None)  # as where it is not installed
+    peer, why = bench.torchao_fp8_grouped_mm()
+    assert peer is None and why.startswith("torchao not available (ModuleNotFoundError")
+    rows = bench.training_gemm_rows("tiny", 100, 32, 16, 3, torch.device("cpu"), iters=1)
+    assert [(row["gemm"], row["path"]) for row in rows] == [
+        (gemm, path) for gemm in ("gate-up", "down") for path in ("bf16", "moetrain fp8", "moetrain fp8_block")]
+    flops = {"gate-up": 3 * 2 * 96 * 32 * 32, "down": 3 * 2 * 96 * 16 * 32}  # 32 rows an expert, 96 in all
+    for row in rows:
+        assert row["shape"] == "tiny" and row["tflops"] == pytest.approx(flops[row["gemm"]] / (row["ms"] * 1e-3) / 1e12)
+    with pytest.raises(SystemExit) as exit_info:
+        bench.main(["--training-gemms", "--device", "cpu"])
+    assert exit_info.value.code == 2 and "needs a CUDA device" in capsys.readouterr().err
+
+
 def test_training_quantizer_bench_times_each_quantizer(capsys):
     """python -m moetrain.quant.bench --training-quantizers: every quantizer of both recipes timed,
     with the bytes it must move (rows: read 2 + write 1 per bf16 value; the column and tile

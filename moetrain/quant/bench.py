@@ -5,6 +5,7 @@
     python -m moetrain.quant.bench --json results.json
     python -m moetrain.quant.bench --kernels             # GPU: one weight's GEMM on every path
     python -m moetrain.quant.bench --training-quantizers # each FP8 training quantizer alone
+    python -m moetrain.quant.bench --training-gemms      # each expert GEMM in bf16, fp8, fp8_block, torchao
 
 For every format (bf16 = the float MoELayer in bf16, the baseline) it prints the expert-weight
 memory, the GEMM path taken for decode and for prefill (moetrain.quant.matmul.cuda_path), the
@@ -19,6 +20,12 @@ on the expert rows of the LM benchmark shapes (x [R, D] and dy [R, 2H] bf16, w [
 equal rows per expert): milliseconds, and GB/s of the bytes each must move at least (reads and
 writes; the per-expert column quantizers read their input twice, once for the maxima), beside a
 copy of x for scale.
+
+--training-gemms instead times each expert GEMM of those shapes (gate-up and down, forward and both
+backward GEMMs, equal rows per expert) on every training path: bf16 (torch._grouped_mm), moetrain's
+fp8 and fp8_block with their quantization, and torchao's FP8 row-wise MoE recipe
+(torchao.prototype.moe_training) where torchao is installed: a peer measured beside ours, not a
+dependency.
 """
 
 from __future__ import annotations
@@ -260,7 +267,7 @@ def tile_sweep(model_dim: int, hidden: int, experts: int, args, device: torch.de
 
 # Expert rows R (tokens x k), D, H, E of the LM benchmark shapes (moetrain.bench).
 TRAINING_SHAPES = {"moe_1b5": (65536, 2048, 2048, 8), "qwen3_30b": (131072, 2048, 768, 128),
-                   "dsv3": (65536, 7168, 2048, 256)}
+                   "mixtral_lm": (16384, 4096, 14336, 8), "dsv3": (65536, 7168, 2048, 256)}
 
 
 def training_quantizer_rows(name: str, rows: int, dim: int, hidden: int, experts: int, device: torch.device,
@@ -294,6 +301,62 @@ def training_quantizer_rows(name: str, rows: int, dim: int, hidden: int, experts
     return out
 
 
+def torchao_fp8_grouped_mm():
+    """(torchao's FP8 row-wise grouped GEMM for MoE training, called as fn(a [R, K], b [E, K, N]
+    column-major, int32 group ends), its version) where torchao is installed and imports with
+    this torch, else (None, why not). A peer to measure against, not a dependency."""
+    try:
+        import torchao  # noqa: PLC0415
+        from torchao.prototype.moe_training import _to_fp8_rowwise_then_scaled_grouped_mm  # noqa: PLC0415
+    except Exception as error:  # noqa: BLE001 - not installed, or built for another torch
+        return None, f"torchao not available ({type(error).__name__}: {str(error).splitlines()[0][:120]})"
+
+    def grouped_mm(a_RK, b_EKN, ends_E):
+        return _to_fp8_rowwise_then_scaled_grouped_mm(a_RK, b_EKN, ends_E, out_dtype=torch.bfloat16,
+                                                      pad_token_groups_for_grouped_mm=False)
+    return grouped_mm, f"torchao {torchao.__version__}"
+
+
+def training_gemm_rows(name: str, rows: int, dim: int, hidden: int, experts: int, device: torch.device,
+                       iters: int) -> list[dict]:
+    """Each expert GEMM of one LM shape (gate-up: [R, D] x [E, D, 2H]; down: [R, H] x [E, H, D]),
+    forward and both backward GEMMs, on every training path, same values, equal rows per expert
+    (multiples of 16, which torchao's FP8 grouped GEMM needs): bf16 (torch._grouped_mm through
+    moetrain.ops.grouped.expert_matmul), moetrain's fp8 and fp8_block (moetrain.quant.training, the
+    quantization included), and torchao's FP8 row-wise recipe where it is installed (its weight in
+    the layout it asks for, [E, N, K] read transposed). {shape, gemm, path, ms, tflops}."""
+    from moetrain.ops.grouped import expert_matmul  # noqa: PLC0415
+    from moetrain.quant import training  # noqa: PLC0415 - Triton kernels, imported when asked for
+
+    per_expert = rows // experts // 16 * 16
+    rows = per_expert * experts
+    counts_E = torch.full((experts,), per_expert, device=device, dtype=torch.int64)
+    ends_E = torch.cumsum(counts_E, 0, dtype=torch.int32)
+    peer, _ = torchao_fp8_grouped_mm()
+    out = []
+    for gemm, (k, n) in (("gate-up", (dim, 2 * hidden)), ("down", (hidden, dim))):
+        generator = torch.Generator(device=device).manual_seed(0)
+        x = torch.randn(rows, k, device=device, dtype=torch.bfloat16, generator=generator).requires_grad_()
+        w_EKN = (torch.randn(experts, k, n, device=device, generator=generator) * k**-0.5).to(torch.bfloat16)
+        w_ENK = w_EKN.transpose(1, 2).contiguous().requires_grad_()
+        w_EKN.requires_grad_()
+        dy = torch.randn(rows, n, device=device, dtype=torch.bfloat16, generator=generator)
+        paths = {"bf16": (lambda: expert_matmul(x, w_EKN, counts_E, None), w_EKN)}
+        for precision in training.FP8_PRECISIONS:
+            if training.fp8_supported(device, precision)[0]:
+                paths[f"moetrain {precision}"] = (
+                    lambda precision=precision: training.fp8_expert_matmul(x, w_EKN, counts_E, None, precision), w_EKN)
+        if peer is not None and device.type == "cuda":
+            paths["torchao fp8"] = (lambda: peer(x, w_ENK.transpose(1, 2), ends_E), w_ENK)
+        for path, (call, w) in paths.items():
+            def step(call=call, w=w):
+                torch.autograd.grad(call(), [x, w], dy)
+            ms = timing.median_ms(step, device, warmup=3, steps=iters)
+            out.append({"shape": name, "gemm": gemm, "path": path, "ms": ms,
+                        "tflops": 3 * 2 * rows * k * n / (ms * 1e-3) / 1e12})
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shapes", nargs="+", default=["mixtral", "fine_grained"], choices=sorted(SHAPES))
@@ -308,9 +371,30 @@ def main(argv: list[str] | None = None) -> None:
                         help="instead: time one weight's GEMM on every CUDA path (first shape) and the Triton kernels alone")
     parser.add_argument("--training-quantizers", action="store_true",
                         help="instead: time each FP8 training quantizer alone on the LM shapes (see above)")
+    parser.add_argument("--training-gemms", action="store_true",
+                        help="instead: each expert GEMM of the LM shapes, forward + backward, in bf16, fp8, fp8_block "
+                             "and torchao's FP8 where installed (see above)")
     args = parser.parse_args(argv)
     args.formats = ["bf16"] + [f for f in args.formats if f != "bf16"]  # the baseline of every ratio, first
     device = torch.device(args.device)
+    if args.training_gemms:
+        if device.type != "cuda":
+            parser.error("--training-gemms times the CUDA GEMMs: it needs a CUDA device")
+        print(f"{torch.cuda.get_device_name(device)}, torch {torch.__version__}, {torchao_fp8_grouped_mm()[1]}; "
+              f"median of {args.iters} steps, forward + backward, TFLOP/s counted as bf16's", flush=True)
+        rows = []
+        for name, shape in TRAINING_SHAPES.items():
+            shape_rows = training_gemm_rows(name, *shape, device, args.iters)
+            bf16 = {row["gemm"]: row["ms"] for row in shape_rows if row["path"] == "bf16"}
+            for row in shape_rows:
+                print(f"{row['shape']:10s} {row['gemm']:8s} {row['path']:18s} {row['ms']:8.3f} ms "
+                      f"{row['tflops']:6.0f} TFLOP/s {bf16[row['gemm']] / row['ms']:5.2f}x bf16", flush=True)
+            rows += shape_rows
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"torch": torch.__version__, "device": torch.cuda.get_device_name(device), "rows": rows}, f,
+                          indent=1)
+        return
     if args.training_quantizers:
         if device.type != "cuda":
             parser.error("--training-quantizers times the CUDA kernels: it needs a CUDA device")
