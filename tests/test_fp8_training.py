@@ -439,6 +439,50 @@ def test_layer_gradients_stay_within_the_fp8_bound_of_full_precision(device, pre
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("precision", ["fp8", "fp8_block"])
+@pytest.mark.parametrize("expert,capacity_factor", [("swiglu", 0.0), ("ffn", 1.0), ("swiglu", -0.5)])
+def test_tokens_quantized_once_give_the_dispatched_rows_result(device, precision, expert, capacity_factor,
+                                                                monkeypatch):
+    """In FP8 the layer's first expert GEMM quantizes each token once and gathers its FP8 rows
+    (TokenRows) instead of quantizing each dispatched copy. Its output and every gradient are the
+    same bit for bit as with the dispatched rows, in the packed layout, the padded one (rows no
+    token fills) and the capped one (dropped choices)."""
+    _skip_unless_supported(device, precision)
+    _, layer = _layer_pair(device, expert, capacity_factor, seed=7, precision=precision)
+    x = torch.randn(3, 41, 64, device=device)
+    probe = torch.randn(3, 41, 64, device=device)
+    token_calls = []
+    token_matmul = training.fp8_token_matmul
+    monkeypatch.setattr(training, "fp8_token_matmul", lambda *a: token_calls.append(1) or token_matmul(*a))
+    results = []
+    for gathers in (True, False):
+        monkeypatch.setattr(type(layer), "_first_gemm_gathers", lambda self, *args, gathers=gathers: gathers)
+        xi = x.clone().requires_grad_()
+        y = layer(xi)
+        (y.float() * probe).sum().backward()
+        results.append([y, xi.grad] + [p.grad.clone() for p in layer.parameters()])
+        layer.zero_grad(set_to_none=True)
+    assert len(token_calls) == 1  # the first GEMM of the first pass only
+    if capacity_factor < 0:
+        assert layer.stats.dropped_fraction > 0
+    for got, want in zip(*results, strict=True):
+        assert torch.equal(got, want)
+
+
+def test_the_layer_gathers_tokens_in_fp8_only_where_its_experts_and_layout_allow():
+    layer = MoELayer(16, 4, 32, top_k=2, expert="swiglu", capacity_factor=0.0, precision="fp8")
+    assert layer._first_gemm_gathers(None, None)
+    assert not layer._first_gemm_gathers(2, None) and not layer._first_gemm_gathers(None, 2)
+    layer.precision = "bf16"
+    assert not layer._first_gemm_gathers(None, None)
+    layer.precision = "fp8"
+    layer.recompute_experts = True  # selective recomputation re-runs the hidden part from the dispatched rows
+    assert not layer._first_gemm_gathers(None, None)
+    with torch.no_grad():
+        assert layer._first_gemm_gathers(None, None)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("precision", ["fp8", "fp8_block"])
 def test_empty_batch_and_empty_experts(device, precision):
     _skip_unless_supported(device, precision)
     full, fp8 = _layer_pair(device, "swiglu", 0.0, seed=1, precision=precision)
@@ -446,6 +490,11 @@ def test_empty_batch_and_empty_experts(device, precision):
     y = fp8(x)
     y.sum().backward()
     assert y.shape == (0, 64) and not fp8.experts.w_down.grad.any()
+    # the padded layout keeps rows (k an expert) that no token fills
+    _, padded = _layer_pair(device, "ffn", 1.0, seed=1, precision=precision)
+    y = padded(x)
+    y.sum().backward()
+    assert y.shape == (0, 64) and not padded.experts.w1.grad.any()
     w = torch.randn(3, 16, 16, device=device, requires_grad=True)
     y = training.fp8_expert_matmul(torch.randn(0, 16, device=device, dtype=torch.bfloat16), w,
                                    torch.zeros(3, dtype=torch.long, device=device), None, precision)

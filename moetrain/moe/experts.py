@@ -14,6 +14,7 @@ Shared experts (DeepSeekMoE) are a DenseFeedForward that sees every token; their
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -57,6 +58,24 @@ def _uniform(shape, fan_in: int) -> nn.Parameter:
     return mark_expert(nn.Parameter(torch.empty(shape).uniform_(-bound, bound)))
 
 
+@dataclass
+class TokenRows:
+    """The expert-major rows as copies of tokens, not yet gathered: row r is token t's where
+    dest_TK[t, k] == r, and zero where no token's, as moetrain.ops.dispatch would make them. In FP8
+    precision MoELayer hands it to the built-in experts, whose first GEMM (Experts.matmul) then
+    quantizes each token once and gathers its FP8 rows (moetrain.quant.training.fp8_token_matmul);
+    in bf16 it is gathered first."""
+
+    x_TD: torch.Tensor
+    dest_TK: torch.Tensor
+    num_rows: int
+    impl: str = "kernel"
+
+    def gather(self) -> torch.Tensor:
+        """The rows themselves, [num_rows, D] (differentiable in x_TD)."""
+        return ops.dispatch(self.x_TD, self.dest_TK, self.num_rows, impl=self.impl)
+
+
 class Experts(nn.Module):
     """Base class for routed experts: num_experts independent networks model_dim -> model_dim.
 
@@ -96,13 +115,18 @@ class Experts(nn.Module):
     def project(self, h_RH: torch.Tensor, counts_E: torch.Tensor, capacity: int | None) -> torch.Tensor:
         raise NotImplementedError  # pragma: no cover - interface
 
-    def matmul(self, x_RI: torch.Tensor, w_EIO: torch.Tensor, counts_E, capacity: int | None) -> torch.Tensor:
-        """expert_matmul in this experts' precision."""
+    def matmul(self, x_RI: torch.Tensor | TokenRows, w_EIO: torch.Tensor, counts_E, capacity: int | None) -> torch.Tensor:
+        """expert_matmul in this experts' precision; x_RI: the rows, or TokenRows to gather them from."""
         if self.precision != "bf16":
             # Imported here: moetrain.quant's package imports this module.
-            from moetrain.quant.training import fp8_expert_matmul  # noqa: PLC0415
+            from moetrain.quant.training import fp8_expert_matmul, fp8_token_matmul  # noqa: PLC0415
 
+            if isinstance(x_RI, TokenRows):
+                return fp8_token_matmul(x_RI.x_TD, x_RI.dest_TK, x_RI.num_rows, w_EIO, counts_E, capacity,
+                                        self.precision, x_RI.impl)
             return fp8_expert_matmul(x_RI, w_EIO, counts_E, capacity, self.precision)
+        if isinstance(x_RI, TokenRows):
+            x_RI = x_RI.gather()
         return expert_matmul(x_RI, w_EIO, counts_E, capacity)
 
 

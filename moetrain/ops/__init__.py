@@ -51,8 +51,7 @@ class _Dispatch(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_RD):
         (dest_TK,) = ctx.saved_tensors
-        # Each token receives the sum of its copies' gradients: a combine without weights.
-        return torch.ops.moetrain.combine(grad_RD.contiguous(), dest_TK, None), None, None
+        return sum_copies(grad_RD, dest_TK), None, None
 
 
 class _Combine(torch.autograd.Function):
@@ -76,6 +75,14 @@ def dispatch(x_TD: torch.Tensor, dest_TK: torch.Tensor, num_rows: int, impl: str
         return reference.dispatch(x_TD, dest_TK, num_rows)
     _kernels(x_TD.device)
     return _Dispatch.apply(x_TD.contiguous(), dest_TK.contiguous(), num_rows)
+
+
+def sum_copies(grad_RD: torch.Tensor, dest_TK: torch.Tensor, impl: str = "kernel") -> torch.Tensor:
+    """Dispatch's backward: each token's gradient is the sum of its copies' rows -> [T, D] (a combine
+    without weights; not differentiable). The kernel is the one dispatch loaded."""
+    if check_impl(impl) == "torch":
+        return reference.combine(grad_RD, dest_TK, None)
+    return torch.ops.moetrain.combine(grad_RD.contiguous(), dest_TK.contiguous(), None)
 
 
 def combine(buf_RD: torch.Tensor, dest_TK: torch.Tensor, weight_TK: torch.Tensor, impl: str = "kernel") -> torch.Tensor:

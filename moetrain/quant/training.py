@@ -45,6 +45,15 @@ per block). On the CPU every GEMM is emulated: the operands are quantized with t
 (moetrain.quant.formats, bit for bit), dequantized to fp32 and multiplied in fp32, then rounded to
 bfloat16; only the order of the fp32 accumulation differs from the GPU.
 
+Quantized once, before dispatch: where the rows are copies of tokens (MoELayer's built-in experts
+in one process hand their first GEMM moetrain.moe.experts.TokenRows), fp8_token_matmul quantizes
+each token once (the forward's row or 1x128-tile scales) and gathers its E4M3 values and scales into
+the expert layout: half the bytes of dispatching bf16 rows, k times fewer rows quantized, and the
+same operands bit for bit, since a token's copies quantize alike. The bf16 rows are not kept for
+backward: the weight gradient dispatches the tokens again, and the input gradient is summed over
+each token's copies (dispatch's backward). Under expert parallelism the rows are quantized after
+the exchange, as before.
+
 Shape letters: R rows (expert-major, packed or padded), K input features, N output features,
 E experts, P rows padded per expert to multiples of ALIGN; Kb, Nb, Rb those dims in 128-blocks.
 """
@@ -55,6 +64,7 @@ import contextlib
 
 import torch
 
+from moetrain import ops
 from moetrain.ops.grouped import expert_matmul, expert_of_rows, group_ends
 from moetrain.quant import kernels
 from moetrain.quant.formats import (
@@ -598,42 +608,55 @@ def block_columns_matmul(aq_RK, a_scale_RbK, bq_RN, b_scale_RbN, counts_E) -> to
     return torch.stack(dw).to(torch.bfloat16)
 
 
-class _FP8ExpertMatmul(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x_RK, w_EKN, counts_E):
-        xq_RK, x_scale_R = quantize_rows(x_RK)
-        wq_ENK, w_scale_EN = quantize_weight(w_EKN, over=1)
-        ctx.save_for_backward(x_RK, w_EKN, counts_E)
-        return rows_matmul(xq_RK, x_scale_R, wq_ENK, w_scale_EN, counts_E).to(x_RK.dtype)
-
-    @staticmethod
-    def backward(ctx, dy_RN):
-        x_RK, w_EKN, counts_E = ctx.saved_tensors
-        dy_RN = dy_RN.contiguous()
-        grad_x = grad_w = None
-        if ctx.needs_input_grad[0]:
-            dyq_RN, dy_scale_R = quantize_rows(dy_RN)
-            wq_EKN, w_scale_EK = quantize_weight(w_EKN, over=2)
-            grad_x = rows_matmul(dyq_RN, dy_scale_R, wq_EKN, w_scale_EK, counts_E).to(x_RK.dtype)
-        if ctx.needs_input_grad[1]:
-            # padded rows: known on the host only from the counts; the CPU path needs them anyway and
-            # on CUDA the worst case (every expert one row past a multiple) bounds it without a sync.
-            padded = _padded_rows(counts_E, x_RK.size(0))
-            xq_KP, x_scale_EK, dyq_NP, dy_scale_EN = quantize_column_pair(x_RK, dy_RN, counts_E, padded)
-            grad_w = columns_matmul(xq_KP, x_scale_EK, dyq_NP, dy_scale_EN, counts_E).to(w_EKN.dtype)
-        return grad_x, grad_w, None
+def _quantize_rows_of(precision: str, x_RK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The forward's first operand: one scale per row ("fp8") or per 1x128 tile ("fp8_block")."""
+    return quantize_row_tiles(x_RK) if precision == "fp8_block" else quantize_rows(x_RK)
 
 
-class _FP8BlockExpertMatmul(torch.autograd.Function):
-    """fp8_block's three GEMMs (module docstring). Like "fp8", only x, w and the counts are kept
-    for backward: each GEMM quantizes its operands in the tiles it needs."""
-
-    @staticmethod
-    def forward(ctx, x_RK, w_EKN, counts_E):
-        xq_RK, x_scale_RKb = quantize_row_tiles(x_RK)
+def _forward_gemm(precision: str, xq_RK, x_scale, w_EKN: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
+    """The forward GEMM on quantized rows (x_scale: [R] or [R, Kb]) -> bf16 [R, N]."""
+    if precision == "fp8_block":
         wq_ENK, w_scale_EKbNb = quantize_weight_blocks(w_EKN, k_contiguous=True)
+        return block_rows_matmul(xq_RK, x_scale, wq_ENK.transpose(1, 2), w_scale_EKbNb, counts_E)
+    wq_ENK, w_scale_EN = quantize_weight(w_EKN, over=1)
+    return rows_matmul(xq_RK, x_scale, wq_ENK, w_scale_EN, counts_E)
+
+
+def _grad_input(precision: str, dy_RN: torch.Tensor, w_EKN: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
+    """dgrad, dx = dy w[e]^T -> bf16 [R, K]."""
+    dyq_RN, dy_scale = _quantize_rows_of(precision, dy_RN)
+    if precision == "fp8_block":
+        wq_EKN, w_scale_EKbNb = quantize_weight_blocks(w_EKN, k_contiguous=False)
+        # the second operand is w[e].T [N, K], N (its reduction dim) contiguous
+        return block_rows_matmul(dyq_RN, dy_scale, wq_EKN.transpose(1, 2), w_scale_EKbNb.transpose(1, 2).contiguous(),
+                                 counts_E)
+    wq_EKN, w_scale_EK = quantize_weight(w_EKN, over=2)
+    return rows_matmul(dyq_RN, dy_scale, wq_EKN, w_scale_EK, counts_E)
+
+
+def _grad_weight(precision: str, x_RK: torch.Tensor, dy_RN: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
+    """wgrad, dw[e] = x_e^T dy_e -> bf16 [E, K, N]."""
+    if precision == "fp8_block":
+        xq_KR, x_scale_RbK = quantize_column_tiles(x_RK)
+        dyq_NR, dy_scale_RbN = quantize_column_tiles(dy_RN)
+        return block_columns_matmul(xq_KR.t(), x_scale_RbK, dyq_NR.t(), dy_scale_RbN, counts_E)
+    # padded rows: known on the host only from the counts; the CPU path needs them anyway and on
+    # CUDA the worst case (every expert one row past a multiple) bounds it without a sync.
+    padded = _padded_rows(counts_E, x_RK.size(0))
+    xq_KP, x_scale_EK, dyq_NP, dy_scale_EN = quantize_column_pair(x_RK, dy_RN, counts_E, padded)
+    return columns_matmul(xq_KP, x_scale_EK, dyq_NP, dy_scale_EN, counts_E)
+
+
+class _FP8ExpertMatmul(torch.autograd.Function):
+    """The three GEMMs of the module docstring, in either recipe. Only x, w and the counts are kept
+    for backward: each GEMM quantizes its operands in the layout and scaling it needs."""
+
+    @staticmethod
+    def forward(ctx, x_RK, w_EKN, counts_E, precision):
+        xq_RK, x_scale = _quantize_rows_of(precision, x_RK)
         ctx.save_for_backward(x_RK, w_EKN, counts_E)
-        return block_rows_matmul(xq_RK, x_scale_RKb, wq_ENK.transpose(1, 2), w_scale_EKbNb, counts_E).to(x_RK.dtype)
+        ctx.precision = precision
+        return _forward_gemm(precision, xq_RK, x_scale, w_EKN, counts_E).to(x_RK.dtype)
 
     @staticmethod
     def backward(ctx, dy_RN):
@@ -641,16 +664,62 @@ class _FP8BlockExpertMatmul(torch.autograd.Function):
         dy_RN = dy_RN.contiguous()
         grad_x = grad_w = None
         if ctx.needs_input_grad[0]:
-            dyq_RN, dy_scale_RNb = quantize_row_tiles(dy_RN)
-            wq_EKN, w_scale_EKbNb = quantize_weight_blocks(w_EKN, k_contiguous=False)
-            # dx = dy @ w[e].T: the second operand is w[e].T [N, K], N (its reduction dim) contiguous
-            grad_x = block_rows_matmul(dyq_RN, dy_scale_RNb, wq_EKN.transpose(1, 2),
-                                       w_scale_EKbNb.transpose(1, 2).contiguous(), counts_E).to(x_RK.dtype)
+            grad_x = _grad_input(ctx.precision, dy_RN, w_EKN, counts_E).to(x_RK.dtype)
         if ctx.needs_input_grad[1]:
-            xq_KR, x_scale_RbK = quantize_column_tiles(x_RK)
-            dyq_NR, dy_scale_RbN = quantize_column_tiles(dy_RN)
-            grad_w = block_columns_matmul(xq_KR.t(), x_scale_RbK, dyq_NR.t(), dy_scale_RbN, counts_E).to(w_EKN.dtype)
-        return grad_x, grad_w, None
+            grad_w = _grad_weight(ctx.precision, x_RK, dy_RN, counts_E).to(w_EKN.dtype)
+        return grad_x, grad_w, None, None
+
+
+def _source_rows(dest_TK: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """int64 [R]: the token whose copy row r of the expert layout holds (dest_TK[t, k] == r), T where
+    no token's does (padding, dropped choices' slots). No host sync: the dropped choices (dest -1)
+    write into a slot past the end, which is cut off."""
+    tokens, top_k = dest_TK.shape
+    flat_N = dest_TK.reshape(-1)
+    slot_N = torch.where(flat_N >= 0, flat_N, num_rows)
+    source = torch.full((num_rows + 1,), tokens, dtype=torch.int64, device=dest_TK.device)
+    source.scatter_(0, slot_N, torch.arange(tokens * top_k, device=dest_TK.device) // top_k)
+    return source[:num_rows]
+
+
+def _gather_rows(table_TC: torch.Tensor, source_R: torch.Tensor, pad) -> torch.Tensor:
+    """table[source[r]] for each row r, with `pad` where source[r] == T (one row past the table).
+    E4M3 values move as their bytes (pad: a byte, 0 for +0)."""
+    if table_TC.dtype == torch.float8_e4m3fn:
+        return _gather_rows(table_TC.view(torch.uint8), source_R, pad).view(torch.float8_e4m3fn)
+    return torch.cat([table_TC, table_TC.new_full((1, *table_TC.shape[1:]), pad)]).index_select(0, source_R)
+
+
+class _FP8TokenMatmul(torch.autograd.Function):
+    """_FP8ExpertMatmul on rows that are copies of tokens (TokenRows): each token is quantized
+    once, before dispatch, and its FP8 values and scales are gathered into the expert layout (half
+    a bf16 dispatch's bytes; a token's copies quantize alike, so the GEMM's operands are the same bit
+    for bit). Backward sums the copies' input gradients into their tokens (dispatch's backward), and
+    dispatches the tokens again for the weight gradient instead of keeping the bf16 rows."""
+
+    @staticmethod
+    def forward(ctx, x_TK, w_EKN, counts_E, dest_TK, num_rows, precision, impl):
+        xq_TK, x_scale_T = _quantize_rows_of(precision, x_TK)
+        source_R = _source_rows(dest_TK, num_rows)
+        # a row no token fills is zero, as dispatch leaves it: zero values, scale 1
+        xq_RK = _gather_rows(xq_TK, source_R, 0)
+        x_scale_R = _gather_rows(x_scale_T, source_R, 1.0)
+        ctx.save_for_backward(x_TK, w_EKN, counts_E, dest_TK)
+        ctx.num_rows, ctx.precision, ctx.impl = num_rows, precision, impl
+        return _forward_gemm(precision, xq_RK, x_scale_R, w_EKN, counts_E).to(x_TK.dtype)
+
+    @staticmethod
+    def backward(ctx, dy_RN):
+        x_TK, w_EKN, counts_E, dest_TK = ctx.saved_tensors
+        dy_RN = dy_RN.contiguous()
+        grad_x = grad_w = None
+        if ctx.needs_input_grad[0]:
+            grad_x = ops.sum_copies(_grad_input(ctx.precision, dy_RN, w_EKN, counts_E).to(x_TK.dtype), dest_TK,
+                                    ctx.impl)
+        if ctx.needs_input_grad[1]:
+            x_RK = ops.dispatch(x_TK, dest_TK, ctx.num_rows, impl=ctx.impl)
+            grad_w = _grad_weight(ctx.precision, x_RK, dy_RN, counts_E).to(w_EKN.dtype)
+        return grad_x, grad_w, None, None, None, None, None
 
 
 def _padded_rows(counts_E: torch.Tensor, num_rows: int) -> int:
@@ -663,22 +732,46 @@ def _padded_rows(counts_E: torch.Tensor, num_rows: int) -> int:
     return int(padded_ends(counts_E)[-1]) if counts_E.numel() else 0
 
 
+def _fp8_counts(precision: str, device: torch.device, num_experts: int, rows: int, counts_E, capacity: int | None):
+    """Checks precision and the device; counts_E as int64 on the device, the last expert owning the
+    padding rows (zeros in, unread out)."""
+    _check_fp8_precision(precision)
+    ok, why = fp8_supported(device, precision)
+    if not ok:
+        raise ValueError(f"precision={precision!r} cannot run on {why}; use precision='bf16'")
+    if capacity is not None:
+        counts_E = [capacity] * num_experts
+    counts_E = torch.as_tensor(counts_E, device=device).to(torch.int64, copy=True)
+    counts_E[-1] += rows - counts_E.sum()
+    return counts_E
+
+
+def _autocast_input(x: torch.Tensor) -> torch.Tensor:
+    if torch.is_autocast_enabled(x.device.type):
+        return x.to(torch.get_autocast_dtype(x.device.type))
+    return x
+
+
 def fp8_expert_matmul(x_RK: torch.Tensor, w_EKN: torch.Tensor, counts_E: torch.Tensor | list[int],
                       capacity: int | None, precision: str = "fp8") -> torch.Tensor:
     """y[r] = x[r] @ w[expert_of(r)] with every GEMM of forward and backward in FP8, scaled by the
     recipe `precision` ("fp8": row-wise, "fp8_block": DeepSeek-V3's blocks; module docstring); the
     same layouts and arguments as moetrain.ops.grouped.expert_matmul."""
-    _check_fp8_precision(precision)
-    num_experts, rows = w_EKN.size(0), x_RK.size(0)
-    ok, why = fp8_supported(x_RK.device, precision)
-    if not ok:
-        raise ValueError(f"precision={precision!r} cannot run on {why}; use precision='bf16'")
-    if capacity is not None:
-        counts_E = [capacity] * num_experts
-    counts_E = torch.as_tensor(counts_E, device=x_RK.device).to(torch.int64, copy=True)
-    counts_E[-1] += rows - counts_E.sum()  # the last expert owns the padding rows (zeros in, unread out)
-    if torch.is_autocast_enabled(x_RK.device.type):
-        x_RK = x_RK.to(torch.get_autocast_dtype(x_RK.device.type))
-    function = _FP8BlockExpertMatmul if precision == "fp8_block" else _FP8ExpertMatmul
+    counts_E = _fp8_counts(precision, x_RK.device, w_EKN.size(0), x_RK.size(0), counts_E, capacity)
+    x_RK = _autocast_input(x_RK)
     with torch.autocast(x_RK.device.type, enabled=False):
-        return function.apply(x_RK, w_EKN, counts_E)
+        return _FP8ExpertMatmul.apply(x_RK, w_EKN, counts_E, precision)
+
+
+def fp8_token_matmul(x_TK: torch.Tensor, dest_TK: torch.Tensor, num_rows: int, w_EKN: torch.Tensor,
+                     counts_E: torch.Tensor | list[int], capacity: int | None, precision: str = "fp8",
+                     impl: str = "kernel") -> torch.Tensor:
+    """fp8_expert_matmul of the expert-major rows that dispatch (moetrain.ops.dispatch(x_TK,
+    dest_TK, num_rows, impl)) would make, without making them: each token is quantized once and
+    its FP8 rows gathered (_FP8TokenMatmul). The same result and gradients bit for bit; the input
+    gradient is in token order, [T, K]."""
+    counts_E = _fp8_counts(precision, x_TK.device, w_EKN.size(0), num_rows, counts_E, capacity)
+    x_TK = _autocast_input(x_TK)
+    with torch.autocast(x_TK.device.type, enabled=False):
+        return _FP8TokenMatmul.apply(x_TK.contiguous(), w_EKN, counts_E, dest_TK.contiguous(), num_rows, precision,
+                                     impl)
