@@ -682,12 +682,28 @@ def _source_rows(dest_TK: torch.Tensor, num_rows: int) -> torch.Tensor:
     return source[:num_rows]
 
 
-def _gather_rows(table_TC: torch.Tensor, source_R: torch.Tensor, pad) -> torch.Tensor:
-    """table[source[r]] for each row r, with `pad` where source[r] == T (one row past the table).
-    E4M3 values move as their bytes (pad: a byte, 0 for +0)."""
-    if table_TC.dtype == torch.float8_e4m3fn:
-        return _gather_rows(table_TC.view(torch.uint8), source_R, pad).view(torch.float8_e4m3fn)
+def _gather_rows_eager(table_TC: torch.Tensor, source_R: torch.Tensor, pad: float) -> torch.Tensor:
+    if table_TC.dtype == torch.float8_e4m3fn:  # moved as bytes (pad: a byte, 0 for +0)
+        return _gather_rows_eager(table_TC.view(torch.uint8), source_R, pad).view(torch.float8_e4m3fn)
     return torch.cat([table_TC, table_TC.new_full((1, *table_TC.shape[1:]), pad)]).index_select(0, source_R)
+
+
+@torch.library.custom_op("moetrain::fp8_gather_rows", mutates_args=(), device_types="cuda")
+def _gather_rows_cuda(table_TC: torch.Tensor, source_R: torch.Tensor, pad: float) -> torch.Tensor:
+    return _gather_rows_eager(table_TC, source_R, pad)
+
+
+@_gather_rows_cuda.register_fake
+def _(table_TC, source_R, pad):
+    return table_TC.new_empty((source_R.size(0), *table_TC.shape[1:]))
+
+
+def _gather_rows(table_TC: torch.Tensor, source_R: torch.Tensor, pad: float) -> torch.Tensor:
+    """table[source[r]] for each row r, with `pad` where source[r] == T (one row past the table). On
+    CUDA a custom op, so that torch.compile sees no reinterpretation of E4M3 values as bytes."""
+    if table_TC.is_cuda:
+        return _gather_rows_cuda(table_TC.contiguous(), source_R, float(pad))
+    return _gather_rows_eager(table_TC, source_R, pad)
 
 
 class _FP8TokenMatmul(torch.autograd.Function):
@@ -702,7 +718,7 @@ class _FP8TokenMatmul(torch.autograd.Function):
         xq_TK, x_scale_T = _quantize_rows_of(precision, x_TK)
         source_R = _source_rows(dest_TK, num_rows)
         # a row no token fills is zero, as dispatch leaves it: zero values, scale 1
-        xq_RK = _gather_rows(xq_TK, source_R, 0)
+        xq_RK = _gather_rows(xq_TK, source_R, 0.0)
         x_scale_R = _gather_rows(x_scale_T, source_R, 1.0)
         ctx.save_for_backward(x_TK, w_EKN, counts_E, dest_TK)
         ctx.num_rows, ctx.precision, ctx.impl = num_rows, precision, impl
