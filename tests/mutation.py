@@ -195,6 +195,15 @@ MUTANTS = [
     Mutant("fp8_block_scale", "moetrain/quant/formats.py",
            "w_NbSKbS / scale_NbKb[..., :, None, :, None]", "w_NbSKbS / scale_NbKb[..., :, None, :, None] / 2",
            QUANT_TESTS, "FP8 128x128 blocks stored at half their scale (saturating)"),
+    Mutant("fp8_token_rows_from_the_wrong_token", "moetrain/quant/training.py",
+           "torch.arange(tokens * top_k, device=dest_TK.device) // top_k",
+           "torch.arange(tokens * top_k, device=dest_TK.device) % tokens",
+           ("tests/test_fp8_training.py",), "FP8 training gathers each expert row from the wrong token"),
+    Mutant("fp8_token_padding_not_zero", "moetrain/quant/training.py",
+           "xq_RK = _gather_rows(xq_TK, source_R, 0.0)", "xq_RK = _gather_rows(xq_TK, source_R, 56.0)",
+           ("tests/test_fp8_training.py",),
+           "FP8 rows no token fills hold 1.0 (byte 56), not zero: their outputs are never read, but the next "
+           "GEMM's per-expert column scales see them"),
 ]
 
 
