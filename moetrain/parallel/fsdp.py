@@ -42,6 +42,7 @@ from moetrain.moe import moe_layers
 from moetrain.moe.experts import is_expert_param, mark_expert
 from moetrain.parallel.expert import parallelize
 from moetrain.parallel.layout import group_timeout
+from moetrain.train.optim import clip_factor
 
 
 def device_type_of(model: nn.Module) -> str:
@@ -185,11 +186,11 @@ def global_grad_norm(parameters: list[nn.Parameter], max_norm: float) -> torch.T
 
 @torch.no_grad()
 def scale_to_norm_(parameters: list[nn.Parameter], max_norm: float, total: torch.Tensor) -> None:
-    """Scales this rank's gradient shards by max_norm / (total + 1e-6), clamped to 1, as
+    """Scales this rank's gradient shards by clip_factor(max_norm, total), as
     torch.nn.utils.clip_grads_with_norm_ does (it takes parameters; these are local shards)."""
     grads = [grad for grad in (_local(param.grad) for param in parameters if param.grad is not None) if grad.numel()]
     if grads:
-        torch._foreach_mul_(grads, (max_norm / (total + 1e-6)).clamp(max=1.0).to(grads[0].device))
+        torch._foreach_mul_(grads, clip_factor(max_norm, total).to(grads[0].device))
 
 
 def sync_router_biases_after_step(optimizer: torch.optim.Optimizer, model: nn.Module):

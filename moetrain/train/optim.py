@@ -32,6 +32,12 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer
     return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum, fused=fused)
 
 
+def clip_factor(max_norm: float, total_norm: torch.Tensor) -> torch.Tensor:
+    """What torch.nn.utils.clip_grads_with_norm_ multiplies the gradients by: max_norm / (total_norm
+    + 1e-6), clamped to 1 (1: not clipped)."""
+    return (max_norm / (total_norm + 1e-6)).clamp(max=1.0)
+
+
 def learning_rate(step: int, cfg: OptimConfig, max_steps: int) -> float:
     """The learning rate of the optimizer step taken after `step` completed steps: a linear warm-up
     from lr / (warmup_steps + 1) to lr over optim.warmup_steps, then a cosine decay that reaches

@@ -41,7 +41,7 @@ from moetrain.moe.recompute import set_activation_checkpointing
 from moetrain.quant.training import fp8_supported
 from moetrain.train import checkpoint
 from moetrain.train.metrics import TensorBoard, append_metrics, flatten, load_postfix, training_throughput
-from moetrain.train.optim import build_scheduler
+from moetrain.train.optim import build_scheduler, clip_factor
 from moetrain.train.processes import SingleProcess
 from moetrain.train.stream import BatchStream
 
@@ -345,9 +345,8 @@ class Trainer:
                 routing[name][1] += layer.stats.kept_per_expert
         self.processes.reduce_gradients(self.model)
         grad_norm = self.processes.clip_grad_norm_(self.model, math.inf)  # measured; scaled below if need be
-        # The factor torch's clip_grad_norm_ scales the gradients by (1: not clipped).
         max_norm = self.cfg.grad_clip
-        clip = (max_norm / (grad_norm + 1e-6)).clamp(max=1.0) if max_norm else torch.ones_like(grad_norm)
+        clip = clip_factor(max_norm, grad_norm) if max_norm else torch.ones_like(grad_norm)
         # One host sync per step: the update must not happen when anything is non-finite. The losses
         # are averaged over ranks, so every rank logs and decides alike; a stop request (SIGTERM)
         # rides along, so that all ranks stop after the same step when any of them got one.
