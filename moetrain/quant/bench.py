@@ -357,6 +357,12 @@ def training_gemm_rows(name: str, rows: int, dim: int, hidden: int, experts: int
     return out
 
 
+def write_json(path: str, device_name: str, rows: list[dict]) -> None:
+    """The rows of a run, with the torch version and the device, as --json writes them."""
+    with open(path, "w") as f:
+        json.dump({"torch": torch.__version__, "device": device_name, "rows": rows}, f, indent=1)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shapes", nargs="+", default=["mixtral", "fine_grained"], choices=sorted(SHAPES))
@@ -391,9 +397,7 @@ def main(argv: list[str] | None = None) -> None:
                       f"{row['tflops']:6.0f} TFLOP/s {bf16[row['gemm']] / row['ms']:5.2f}x bf16", flush=True)
             rows += shape_rows
         if args.json:
-            with open(args.json, "w") as f:
-                json.dump({"torch": torch.__version__, "device": torch.cuda.get_device_name(device), "rows": rows}, f,
-                          indent=1)
+            write_json(args.json, torch.cuda.get_device_name(device), rows)
         return
     if args.training_quantizers:
         if device.type != "cuda":
@@ -405,9 +409,7 @@ def main(argv: list[str] | None = None) -> None:
                       flush=True)
                 rows.append(row)
         if args.json:
-            with open(args.json, "w") as f:
-                json.dump({"torch": torch.__version__, "device": torch.cuda.get_device_name(device), "rows": rows}, f,
-                          indent=1)
+            write_json(args.json, torch.cuda.get_device_name(device), rows)
         return
     if args.kernels:
         if device.type != "cuda" or not kernels.available():
@@ -423,8 +425,7 @@ def main(argv: list[str] | None = None) -> None:
     for name in args.shapes:
         rows += bench_shape(name, args, device)
         if args.json:  # after every shape, so a run cut short still leaves its results
-            with open(args.json, "w") as f:
-                json.dump({"torch": torch.__version__, "device": card, "rows": rows}, f, indent=1)
+            write_json(args.json, card, rows)
 
 
 if __name__ == "__main__":
