@@ -21,6 +21,7 @@ No failure hangs the job or leaves a process behind:
 from __future__ import annotations
 
 import ctypes
+import logging
 import os
 import pickle
 import re
@@ -234,6 +235,13 @@ def _worker(rank: int, world_size: int, port: int, backend: str | None, timeout_
         # wait for descheduled threads (steps run many times slower), as torchrun's default of
         # one thread per worker also avoids.
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+    # Every ending is os._exit, after the streams are flushed. Not sys.exit: after a failed
+    # collective the interpreter's shutdown may wait on threads that never end, and after a clean
+    # run the C++ destructors that shutdown runs (the rendezvous store's and Gloo's threads) could
+    # abort the finished worker ("terminate called without an active exception", SIGABRT), which
+    # fails a job whose work is done. So fn must finish its work (close files, join its threads)
+    # before it returns: atexit handlers do not run in a worker.
+    code = 0
     try:
         init_distributed(rank, world_size, port, backend, timeout_s=timeout_s)
         try:
@@ -241,17 +249,19 @@ def _worker(rank: int, world_size: int, port: int, backend: str | None, timeout_
         finally:
             dist.destroy_process_group()
     except SystemExit as exit_request:
-        if exit_request.code not in (None, 0):
-            raise
+        if isinstance(exit_request.code, int):  # as the interpreter ends on sys.exit(code)
+            code = exit_request.code
+        elif exit_request.code is not None:
+            print(exit_request.code, file=sys.stderr)
+            code = 1
     except BaseException as error:  # the launcher reports it (one line, or the traceback for a bug)
         _report(connection, error)
-        sys.stdout.flush()
-        sys.stderr.flush()
-        # Not sys.exit: after a failed collective, the interpreter's shutdown may wait on threads
-        # that never end.
-        os._exit(130 if isinstance(error, KeyboardInterrupt) else 1)
-    finally:
-        connection.close()
+        code = 130 if isinstance(error, KeyboardInterrupt) else 1
+    connection.close()
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 # ---- the launcher side -------------------------------------------------------------------------------
@@ -311,7 +321,9 @@ def _blame(ended: list[_Running], still_running: list[_Running]) -> WorkerExit:
 def spawn(fn, nprocs: int, args: tuple = (), backend: str | None = None,
           timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
     """Run fn(rank, world_size, *args) in nprocs fresh processes joined in one process group whose
-    collectives wait at most timeout_s. fn must be importable (a module-level function).
+    collectives wait at most timeout_s. fn must be importable (a module-level function), and have
+    finished its work when it returns (files closed, its threads joined): a worker ends there with
+    os._exit, without the interpreter's shutdown or atexit handlers.
     Raises WorkerFailed when a worker fails (the others are stopped), WorkersTerminated after a
     SIGTERM, KeyboardInterrupt after Ctrl-C; every worker has ended when it returns or raises."""
     if isinstance(nprocs, bool) or not isinstance(nprocs, int) or nprocs < 1:
