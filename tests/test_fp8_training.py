@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from moetrain import MoELayer
+from moetrain.moe.routing import make_plan
 from moetrain.quant import training
 from moetrain.quant.formats import FORMATS, dequantize_fp8_groups, quantize_fp8_groups
 from moetrain.quant.training import fp8_supported
@@ -472,15 +473,17 @@ def test_tokens_quantized_once_give_the_dispatched_rows_result(device, precision
 
 def test_the_layer_gathers_tokens_in_fp8_only_where_its_experts_and_layout_allow():
     layer = MoELayer(16, 4, 32, top_k=2, expert="swiglu", capacity_factor=0.0, precision="fp8")
-    assert layer._first_gemm_gathers(None, None)
-    assert not layer._first_gemm_gathers(2, None) and not layer._first_gemm_gathers(None, 2)
+    plan = make_plan(torch.tensor([[0, 1], [2, 0]]), None, 4, 0.0)
+    assert layer._first_gemm_gathers(plan, None, None)
+    assert not layer._first_gemm_gathers(plan, 2, None) and not layer._first_gemm_gathers(plan, None, 2)
     layer.precision = "bf16"
-    assert not layer._first_gemm_gathers(None, None)
+    assert not layer._first_gemm_gathers(plan, None, None)
     layer.precision = "fp8"
     layer.recompute_experts = True  # selective recomputation re-runs the hidden part from the dispatched rows
-    assert not layer._first_gemm_gathers(None, None)
+    assert not layer._first_gemm_gathers(plan, None, None)
     with torch.no_grad():
-        assert layer._first_gemm_gathers(None, None)
+        assert layer._first_gemm_gathers(plan, None, None)
+    # under expert parallelism: tests/test_fp8_exchange.py
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -64,7 +64,8 @@ class TokenRows:
     dest_TK[t, k] == r, and zero where no token's, as moetrain.ops.dispatch would make them. In FP8
     precision MoELayer hands it to the built-in experts, whose first GEMM (Experts.matmul) then
     quantizes each token once and gathers its FP8 rows (moetrain.quant.training.fp8_token_matmul);
-    in bf16 it is gathered first."""
+    in bf16 it is gathered first. Under expert parallelism the rows live on other ranks
+    (moetrain.parallel.expert.ExchangedTokenRows: the FP8 rows travel)."""
 
     x_TD: torch.Tensor
     dest_TK: torch.Tensor
@@ -74,6 +75,14 @@ class TokenRows:
     def gather(self) -> torch.Tensor:
         """The rows themselves, [num_rows, D] (differentiable in x_TD)."""
         return ops.dispatch(self.x_TD, self.dest_TK, self.num_rows, impl=self.impl)
+
+    def fp8_matmul(self, w_EIO: torch.Tensor, counts_E, capacity: int | None, precision: str) -> torch.Tensor:
+        """Experts.matmul in FP8 `precision` on these rows, each token quantized once."""
+        # Imported here: moetrain.quant's package imports this module.
+        from moetrain.quant.training import fp8_token_matmul  # noqa: PLC0415
+
+        return fp8_token_matmul(self.x_TD, self.dest_TK, self.num_rows, w_EIO, counts_E, capacity, precision,
+                                self.impl)
 
 
 class Experts(nn.Module):
@@ -118,12 +127,11 @@ class Experts(nn.Module):
     def matmul(self, x_RI: torch.Tensor | TokenRows, w_EIO: torch.Tensor, counts_E, capacity: int | None) -> torch.Tensor:
         """expert_matmul in this experts' precision; x_RI: the rows, or TokenRows to gather them from."""
         if self.precision != "bf16":
-            # Imported here: moetrain.quant's package imports this module.
-            from moetrain.quant.training import fp8_expert_matmul, fp8_token_matmul  # noqa: PLC0415
-
             if isinstance(x_RI, TokenRows):
-                return fp8_token_matmul(x_RI.x_TD, x_RI.dest_TK, x_RI.num_rows, w_EIO, counts_E, capacity,
-                                        self.precision, x_RI.impl)
+                return x_RI.fp8_matmul(w_EIO, counts_E, capacity, self.precision)
+            # Imported here: moetrain.quant's package imports this module.
+            from moetrain.quant.training import fp8_expert_matmul  # noqa: PLC0415
+
             return fp8_expert_matmul(x_RI, w_EIO, counts_E, capacity, self.precision)
         if isinstance(x_RI, TokenRows):
             x_RI = x_RI.gather()

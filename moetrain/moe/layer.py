@@ -22,6 +22,11 @@ from torch import nn
 
 import torch.distributed as dist
 
+try:
+    from torch.distributed.fsdp import FSDPModule
+except ImportError:  # a torch built without distributed support
+    FSDPModule = None
+
 from moetrain import ops
 from moetrain.moe import losses, recompute
 from moetrain.moe.experts import (
@@ -71,6 +76,15 @@ def _positive_int(name: str, value) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
     return value
+
+
+def _own_class(module: nn.Module) -> type:
+    """The module's class, seen through FSDP2's wrapper: fully_shard turns a module's class into a
+    subclass (FSDP<Name>) of FSDPModule and it."""
+    cls = type(module)
+    if FSDPModule is not None and issubclass(cls, FSDPModule):
+        return next(base for base in cls.__bases__ if base is not FSDPModule)
+    return cls
 
 
 class MoELayer(nn.Module):
@@ -202,9 +216,12 @@ class MoELayer(nn.Module):
         x_experts_TD = x_TD
         if x_TD.dtype == torch.float32 and torch.is_autocast_enabled(device):
             x_experts_TD = x_TD.to(torch.get_autocast_dtype(device))
-        if self._first_gemm_gathers(adaptive_r, a2a_ffn_overlap_degree):
-            out_RD = self.experts(TokenRows(x_experts_TD, plan.dest_TK, plan.num_rows, self.impl), plan.counts_E,
-                                  plan.capacity)
+        if self._first_gemm_gathers(plan, adaptive_r, a2a_ffn_overlap_degree):
+            tokens = TokenRows(x_experts_TD, plan.dest_TK, plan.num_rows, self.impl)
+            if self.parallel is None:
+                out_RD = self.experts(tokens, plan.counts_E, plan.capacity)
+            else:
+                out_RD = self.parallel.run_experts(self.experts, tokens, plan, adaptive_r, a2a_ffn_overlap_degree)
         else:
             buf_RD = ops.dispatch(x_experts_TD, plan.dest_TK, plan.num_rows, impl=self.impl)
             out_RD = self.run_experts(buf_RD, plan, adaptive_r, a2a_ffn_overlap_degree)
@@ -254,14 +271,19 @@ class MoELayer(nn.Module):
         dist.all_reduce(counts, group=self.balance_group)
         return counts[:-1], counts[-1]
 
-    def _first_gemm_gathers(self, adaptive_r: int | None, a2a_ffn_overlap_degree: int | None) -> bool:
-        """FP8 with the built-in experts in this process: their first GEMM quantizes each token once
-        and gathers the FP8 rows (TokenRows) instead of quantizing each dispatched copy: half the
-        bytes moved, the same numbers bit for bit. Custom experts, expert parallelism and recomputed
-        experts take the dispatched rows."""
-        return (self.precision != "bf16" and self.parallel is None and adaptive_r is None
-                and a2a_ffn_overlap_degree is None and not (self.recompute_experts and torch.is_grad_enabled())
-                and type(self.experts) in (SwiGLUExperts, FFNExperts))
+    def _first_gemm_gathers(self, plan: RoutingPlan, adaptive_r: int | None,
+                            a2a_ffn_overlap_degree: int | None) -> bool:
+        """FP8 with the built-in experts: their first GEMM quantizes each token once and gathers the
+        FP8 rows (TokenRows) instead of quantizing each dispatched copy: half the bytes moved, the
+        same numbers bit for bit. Under expert parallelism (the packed layout at r = 1) the FP8 rows
+        travel to the experts' ranks (moetrain.parallel.expert.ExchangedTokenRows). Custom experts,
+        recomputed experts and the other expert-parallel modes take the dispatched rows."""
+        if (self.precision == "bf16" or _own_class(self.experts) not in (SwiGLUExperts, FFNExperts)
+                or (self.recompute_experts and torch.is_grad_enabled())):
+            return False
+        if self.parallel is None:
+            return adaptive_r is None and a2a_ffn_overlap_degree is None
+        return self.parallel.takes_token_rows(plan, adaptive_r)
 
     def run_experts(self, buf_RD: torch.Tensor, plan: RoutingPlan, adaptive_r: int | None = None,
                     a2a_ffn_overlap_degree: int | None = None) -> torch.Tensor:

@@ -79,9 +79,10 @@ def dispatch(x_TD: torch.Tensor, dest_TK: torch.Tensor, num_rows: int, impl: str
 
 def sum_copies(grad_RD: torch.Tensor, dest_TK: torch.Tensor, impl: str = "kernel") -> torch.Tensor:
     """Dispatch's backward: each token's gradient is the sum of its copies' rows -> [T, D] (a combine
-    without weights; not differentiable). The kernel is the one dispatch loaded."""
+    without weights; not differentiable)."""
     if check_impl(impl) == "torch":
         return reference.combine(grad_RD, dest_TK, None)
+    _kernels(grad_RD.device)
     return torch.ops.moetrain.combine(grad_RD.contiguous(), dest_TK.contiguous(), None)
 
 

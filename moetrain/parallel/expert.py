@@ -33,11 +33,21 @@ did not: docs/distributed.md). Only the padded layout is chunked; a dropless lay
 counts are only known after an exchange) runs unchunked, so one model-wide degree works for
 models that mix both.
 
+In FP8 precision (MoELayer(precision="fp8" | "fp8_block")) a dropless layer with r = 1 and its
+built-in experts hands run_experts the tokens (moetrain.moe.experts.TokenRows) instead of the bf16
+buffer: each token is quantized once on its own rank and its E4M3 rows travel with their scales,
+packed as bytes (ExchangedTokenRows; moetrain.quant.training.fp8_exchanged_matmul), about half the
+bytes of bf16 rows. The input gradient returns in bf16; the weight gradient is taken from the
+received FP8 rows (DeepSeek-V3's double quantization).
+
 Shape letters: E experts, V virtual experts (E*r), C capacity, D model dim, G ranks of the
 expert-parallel group, R buffer rows.
 """
 
 from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -45,7 +55,7 @@ from torch import nn
 from torch.func import functional_call
 
 from moetrain import collectives
-from moetrain.moe.experts import Experts, FFNExperts, SwiGLUExperts, mark_expert
+from moetrain.moe.experts import Experts, FFNExperts, SwiGLUExperts, TokenRows, mark_expert
 from moetrain.moe.recompute import checkpoint_call, checkpoint_experts
 from moetrain.moe.routing import RoutingPlan
 from moetrain.parallel.layout import ExpertLayout, group_timeout
@@ -124,6 +134,52 @@ class _ScaleGradient(torch.autograd.Function):
         return grad * ctx.factor, None
 
 
+@dataclass
+class _PackedExchange:
+    """The packed layout's uneven all-to-all in both directions, its splits agreed: rows leave this
+    rank in expert order (send_rows[g] for rank g) and arrive regrouped expert-major (perm)."""
+
+    group: object
+    send_rows: list[int]
+    recv_rows: list[int]
+    perm: torch.Tensor  # expert-major row i is received row perm[i]
+    back: torch.Tensor  # and received row j is expert-major row back[j]
+
+    @property
+    def sent_rows(self) -> int:
+        return sum(self.send_rows)
+
+    @property
+    def received_rows(self) -> int:
+        return sum(self.recv_rows)
+
+    def to_experts(self, rows: torch.Tensor) -> torch.Tensor:
+        arrived = collectives.all_to_all_single(rows, self.recv_rows, self.send_rows, group=self.group)
+        return arrived.index_select(0, self.perm)
+
+    def to_tokens(self, rows: torch.Tensor) -> torch.Tensor:
+        return collectives.all_to_all_single(rows.index_select(0, self.back), self.send_rows, self.recv_rows,
+                                             group=self.group)
+
+
+@dataclass
+class ExchangedTokenRows(TokenRows):
+    """TokenRows whose expert-major rows (the first exchange.sent_rows of them: dispatch's packed
+    rows) belong to experts on other ranks: the rows this rank's experts receive. gather() exchanges
+    the rows themselves (bf16); in FP8 the tokens are quantized once and the E4M3 rows travel."""
+
+    exchange: _PackedExchange | None = None
+
+    def gather(self) -> torch.Tensor:
+        return self.exchange.to_experts(super().gather()[:self.exchange.sent_rows])
+
+    def fp8_matmul(self, w_EIO: torch.Tensor, counts_E, capacity: int | None, precision: str) -> torch.Tensor:
+        from moetrain.quant.training import fp8_exchanged_matmul  # noqa: PLC0415  (moetrain.quant imports moe)
+
+        return fp8_exchanged_matmul(self.x_TD, self.dest_TK, self.num_rows, self.exchange, w_EIO, counts_E, precision,
+                                    self.impl)
+
+
 def _mean_gradient_experts(experts, params, x_RD, counts, capacity, world_size, recompute=False):
     """The experts on x_RD with their weight gradients divided by world_size, as the optimizer's
     mean over ranks needs (see optimizer.py): the gradient entering their backward is divided and
@@ -151,7 +207,10 @@ def _mean_gradient_experts(experts, params, x_RD, counts, capacity, world_size, 
 
     if world_size == 1:
         return call(x_RD)
-    x_RD = _ScaleGradient.apply(x_RD, float(world_size))
+    if isinstance(x_RD, TokenRows):  # the tokens themselves: their gradient is the rows' summed
+        x_RD = dataclasses.replace(x_RD, x_TD=_ScaleGradient.apply(x_RD.x_TD, float(world_size)))
+    else:
+        x_RD = _ScaleGradient.apply(x_RD, float(world_size))
     y_RD = call(x_RD)
     return _ScaleGradient.apply(y_RD, 1.0 / world_size)
 
@@ -176,9 +235,23 @@ class ExpertParallel:
         # gather their parameters when the module is called (so r = 1 only, by a module call).
         self.experts_sharded = False
 
-    def run_experts(self, experts: Experts, buf_RD: torch.Tensor, plan: RoutingPlan, adaptive_r: int | None = None,
-                    a2a_ffn_overlap_degree: int | None = None, recompute: bool = False) -> torch.Tensor:
-        """recompute: the experts' hidden activations are recomputed in backward (not the exchange)."""
+    def takes_token_rows(self, plan: RoutingPlan, adaptive_r: int | None = None) -> bool:
+        """Whether run_experts takes this call's tokens (TokenRows) for FP8 rows to travel: the
+        packed layout at r = 1."""
+        r = self.adaptive_r if adaptive_r is None else self.layout.check_r(adaptive_r)
+        return plan.capacity is None and r == 1
+
+    def run_experts(self, experts: Experts, buf_RD: torch.Tensor | TokenRows, plan: RoutingPlan,
+                    adaptive_r: int | None = None, a2a_ffn_overlap_degree: int | None = None,
+                    recompute: bool = False) -> torch.Tensor:
+        """recompute: the experts' hidden activations are recomputed in backward (not the exchange).
+        buf_RD: the expert-major rows, or the tokens where takes_token_rows (not recomputed)."""
+        if isinstance(buf_RD, TokenRows):
+            if recompute or not self.takes_token_rows(plan, adaptive_r):
+                raise ValueError("run_experts takes TokenRows for the packed layout at r = 1, not recomputed: "
+                                 "pass the dispatched rows")
+            params = None if self.experts_sharded else dict(experts.named_parameters())
+            return self._packed(experts, params, buf_RD, plan.counts_E, 1, False)
         r = self.adaptive_r if adaptive_r is None else self.layout.check_r(adaptive_r)
         overlap = self.a2a_ffn_overlap_degree if a2a_ffn_overlap_degree is None else _check_overlap(a2a_ffn_overlap_degree)
         if self.experts_sharded and (r, overlap) != (1, 1):
@@ -302,36 +375,41 @@ class ExpertParallel:
         members = dist.get_world_size(group)
         rows_E = counts_E.tolist()
         used = sum(rows_E)
-        if r > 1:
+        tokens = buf_RD if isinstance(buf_RD, TokenRows) else None
+        if tokens is not None:  # r = 1 (run_experts)
+            x_RD, counts_V, total = None, counts_E, tokens.num_rows
+        elif r > 1:
             # Each expert's rows once per hidden slice: virtual expert e*r + j gets expert e's rows.
             starts = [sum(rows_E[:e]) for e in range(len(rows_E))]
             index = torch.cat([torch.arange(starts[e], starts[e] + n, device=buf_RD.device)
                                for e, n in enumerate(rows_E) for _ in range(r)])
             x_RD = buf_RD.index_select(0, index)
-            counts_V = counts_E.repeat_interleave(r)
+            counts_V, total = counts_E.repeat_interleave(r), buf_RD.size(0)
         else:
-            x_RD, counts_V = buf_RD[:used], counts_E
+            x_RD, counts_V, total = buf_RD[:used], counts_E, buf_RD.size(0)
         local = counts_V.numel() // members
         send_counts_GL = counts_V.view(members, local)
         recv_counts_GL = collectives.all_to_all_single(send_counts_GL, group=group)
         send_rows = send_counts_GL.sum(1).tolist()
         recv_rows = recv_counts_GL.sum(1).tolist()
-        recv_RD = collectives.all_to_all_single(x_RD, recv_rows, send_rows, group=group)
 
         # Received blocks are source-major (g, l); the experts want them expert-major (l, g).
+        device = (buf_RD if tokens is None else tokens.x_TD).device
         sizes = recv_counts_GL.flatten().tolist()
         offsets = [sum(sizes[:i]) for i in range(len(sizes))]
         order = [(g * local + l) for l in range(local) for g in range(members)]
-        perm = torch.cat([torch.arange(offsets[b], offsets[b] + sizes[b], device=buf_RD.device) for b in order]
-                         + [torch.empty(0, dtype=torch.long, device=buf_RD.device)])
-        y_RD = _mean_gradient_experts(experts, params, recv_RD.index_select(0, perm), recv_counts_GL.sum(0), None,
-                                      layout.world_size, recompute)
-        back_RD = torch.empty_like(perm).index_copy_(0, perm, torch.arange(perm.numel(), device=perm.device))
-        y_RD = collectives.all_to_all_single(y_RD.index_select(0, back_RD), send_rows, recv_rows, group=group)
+        perm = torch.cat([torch.arange(offsets[b], offsets[b] + sizes[b], device=device) for b in order]
+                         + [torch.empty(0, dtype=torch.long, device=device)])
+        back = torch.empty_like(perm).index_copy_(0, perm, torch.arange(perm.numel(), device=device))
+        exchange = _PackedExchange(group, send_rows, recv_rows, perm, back)
+        rows = exchange.to_experts(x_RD) if tokens is None else ExchangedTokenRows(
+            tokens.x_TD, tokens.dest_TK, tokens.num_rows, tokens.impl, exchange)
+        y_RD = exchange.to_tokens(_mean_gradient_experts(experts, params, rows, recv_counts_GL.sum(0), None,
+                                                         layout.world_size, recompute))
 
         if r > 1:
             y_RD = y_RD.new_zeros(used, y_RD.size(-1)).index_add(0, index, y_RD)
-        pad = buf_RD.size(0) - used
+        pad = total - used
         return torch.cat([y_RD, y_RD.new_zeros(pad, y_RD.size(-1))]) if pad else y_RD
 
 

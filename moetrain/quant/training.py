@@ -51,8 +51,9 @@ each token once (the forward's row or 1x128-tile scales) and gathers its E4M3 va
 the expert layout: half the bytes of dispatching bf16 rows, k times fewer rows quantized, and the
 same operands bit for bit, since a token's copies quantize alike. The bf16 rows are not kept for
 backward: the weight gradient dispatches the tokens again, and the input gradient is summed over
-each token's copies (dispatch's backward). Under expert parallelism the rows are quantized after
-the exchange, as before.
+each token's copies (dispatch's backward). Under expert parallelism the E4M3 rows travel to the
+experts' ranks (fp8_exchanged_matmul, the dropless layout at r = 1): there the weight gradient is
+taken from the received rows, dequantized (DeepSeek-V3's double quantization).
 
 Shape letters: R rows (expert-major, packed or padded), K input features, N output features,
 E experts, P rows padded per expert to multiples of ALIGN; Kb, Nb, Rb those dims in 128-blocks.
@@ -791,3 +792,74 @@ def fp8_token_matmul(x_TK: torch.Tensor, dest_TK: torch.Tensor, num_rows: int, w
     with torch.autocast(x_TK.device.type, enabled=False):
         return _FP8TokenMatmul.apply(x_TK.contiguous(), w_EKN, counts_E, dest_TK.contiguous(), num_rows, precision,
                                      impl)
+
+
+def dequantize_rows_of(precision: str, xq_RK: torch.Tensor, x_scale: torch.Tensor) -> torch.Tensor:
+    """fp32 values of rows quantized by the forward's recipe (_quantize_rows_of)."""
+    if precision == "fp8_block":
+        return dequantize_fp8_groups(xq_RK, x_scale, FP8_BLOCK)
+    return dequantize_fp8_groups(xq_RK, x_scale.view(-1, 1), max(1, xq_RK.size(1)))
+
+
+def _pack_rows(xq_RK: torch.Tensor, x_scale: torch.Tensor) -> torch.Tensor:
+    """uint8 [R, K + 4 S]: each row's E4M3 values, then its S fp32 scales' bytes (one exchange)."""
+    scale_RS = x_scale if x_scale.dim() == 2 else x_scale.unsqueeze(1)
+    return torch.cat([xq_RK.view(torch.uint8), scale_RS.contiguous().view(torch.uint8)], dim=1)
+
+
+def _unpack_rows(packed_RB: torch.Tensor, k: int, precision: str) -> tuple[torch.Tensor, torch.Tensor]:
+    xq_RK = packed_RB[:, :k].contiguous().view(torch.float8_e4m3fn)
+    x_scale_RS = packed_RB[:, k:].contiguous().view(torch.float32)
+    return xq_RK, (x_scale_RS if precision == "fp8_block" else x_scale_RS.view(-1))
+
+
+class _FP8ExchangedMatmul(torch.autograd.Function):
+    """_FP8TokenMatmul across ranks (expert parallelism): each token is quantized once, on its own
+    rank, and its E4M3 rows travel to their experts' ranks with their scales, packed as bytes in one
+    exchange: K + 4 bytes a row ("fp8"; K + 4 K/128 for "fp8_block") against 2 K for bf16. The
+    forward GEMM multiplies them as received: the same operands, bit for bit, as in one process.
+    Backward: the input gradient (bf16) travels back and is summed over each token's copies. The
+    weight gradient is taken from the received rows, dequantized and quantized again per column
+    (DeepSeek-V3's double quantization), since the bf16 rows never reach the expert's rank: the one
+    numerical difference from one process."""
+
+    @staticmethod
+    def forward(ctx, x_TK, w_EKN, counts_E, dest_TK, num_rows, precision, impl, exchange):
+        xq_TK, x_scale_T = _quantize_rows_of(precision, x_TK)
+        source_S = _source_rows(dest_TK, num_rows)[:exchange.sent_rows]
+        packed_SB = _pack_rows(_gather_rows(xq_TK, source_S, 0.0), _gather_rows(x_scale_T, source_S, 1.0))
+        xq_RK, x_scale_R = _unpack_rows(exchange.to_experts(packed_SB), x_TK.size(1), precision)
+        ctx.save_for_backward(xq_RK, x_scale_R, w_EKN, counts_E, dest_TK)
+        ctx.num_rows, ctx.precision, ctx.impl, ctx.exchange, ctx.dtype = num_rows, precision, impl, exchange, x_TK.dtype
+        return _forward_gemm(precision, xq_RK, x_scale_R, w_EKN, counts_E).to(x_TK.dtype)
+
+    @staticmethod
+    def backward(ctx, dy_RN):
+        xq_RK, x_scale_R, w_EKN, counts_E, dest_TK = ctx.saved_tensors
+        dy_RN = dy_RN.contiguous()
+        grad_x = grad_w = None
+        if ctx.needs_input_grad[0]:
+            dx_SK = ctx.exchange.to_tokens(_grad_input(ctx.precision, dy_RN, w_EKN, counts_E).to(ctx.dtype))
+            unsent = dx_SK.new_zeros(ctx.num_rows - dx_SK.size(0), dx_SK.size(1))
+            grad_x = ops.sum_copies(torch.cat([dx_SK, unsent]), dest_TK, ctx.impl)
+        if ctx.needs_input_grad[1]:
+            x_RK = dequantize_rows_of(ctx.precision, xq_RK, x_scale_R).to(ctx.dtype)
+            grad_w = _grad_weight(ctx.precision, x_RK, dy_RN, counts_E).to(w_EKN.dtype)
+        return grad_x, grad_w, None, None, None, None, None, None
+
+
+@torch.compiler.disable  # collectives on a host-known split: run as written, between graphs
+def fp8_exchanged_matmul(x_TK: torch.Tensor, dest_TK: torch.Tensor, num_rows: int, exchange, w_EKN: torch.Tensor,
+                         counts_E: torch.Tensor | list[int], precision: str = "fp8",
+                         impl: str = "kernel") -> torch.Tensor:
+    """fp8_token_matmul whose rows live on other ranks (_FP8ExchangedMatmul). This rank's rows are
+    the first exchange.sent_rows of the expert-major rows dispatch(x_TK, dest_TK, num_rows) would
+    make; `exchange` moves rows between the ranks: exchange.to_experts(rows [sent_rows, B]) ->
+    [exchange.received_rows, B], the rows of this rank's experts (w_EKN, counts_E: packed, in
+    expert order), and exchange.to_tokens, the way back. Returns those rows' products; the input
+    gradient is in token order, [T, K]."""
+    counts_E = _fp8_counts(precision, x_TK.device, w_EKN.size(0), exchange.received_rows, counts_E, None)
+    x_TK = _autocast_input(x_TK)
+    with torch.autocast(x_TK.device.type, enabled=False):
+        return _FP8ExchangedMatmul.apply(x_TK.contiguous(), w_EKN, counts_E, dest_TK.contiguous(), num_rows,
+                                         precision, impl, exchange)
