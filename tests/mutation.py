@@ -204,6 +204,16 @@ MUTANTS = [
            ("tests/test_fp8_training.py",),
            "FP8 rows no token fills hold 1.0 (byte 56), not zero: their outputs are never read, but the next "
            "GEMM's per-expert column scales see them"),
+    Mutant("fp8_exchange_weight_gradient_from_undequantized_rows", "moetrain/quant/training.py",
+           "x_RK = dequantize_rows_of(ctx.precision, xq_RK, x_scale_R).to(ctx.dtype)",
+           "x_RK = xq_RK.float().to(ctx.dtype)",
+           ("tests/test_fp8_exchange.py",), "the expert's rank takes the weight gradient from E4M3 values without "
+           "their scales"),
+    Mutant("fp8_exchange_gradient_returns_unordered", "moetrain/parallel/expert.py",
+           "return collectives.all_to_all_single(rows.index_select(0, self.back), self.send_rows, self.recv_rows,",
+           "return collectives.all_to_all_single(rows, self.send_rows, self.recv_rows,",
+           ("tests/test_fp8_exchange.py",), "results and input gradients go back in expert-major order, not in the "
+           "order their rows came"),
 ]
 
 
