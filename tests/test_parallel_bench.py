@@ -36,6 +36,15 @@ def test_every_row_runs_and_counts_the_expert_flops(capsys, expert, capacity_fac
     assert "all_to_all_ms" in report["exchange"] and not any(key.startswith("peer") for key in report["exchange"])
 
 
+def test_fp8_rows_travel_in_the_dropless_benchmark(capsys):
+    """--precision fp8 with dropless SwiGLU experts: every row runs (FP8 emulated on CPU ranks)."""
+    assert bench.main(SMALL + ["--expert", "swiglu", "--capacity-factor", "0", "--precision", "fp8"]) == 0
+    report = _report(capsys)
+    assert report["config"]["precision"] == "fp8"
+    assert [run["setup"] for run in report["runs"]] == ["1 rank", "2 ranks EP a2a"]
+    assert all("error" not in run for run in report["runs"]), report["runs"]
+
+
 @pytest.mark.parametrize("argv,message", [
     (["--capacity-factor", "0", "--overlap", "1,2"], "dropless) is exchanged unchunked by all_to_all"),
     (["--capacity-factor", "-1"], "--capacity-factor must be >= 0"),

@@ -5,11 +5,14 @@ and with tokens exchanged by NCCL's all-to-all or through peer memory.
     python -m moetrain.parallel.bench --gpus 2 --layers 4 --dim 2048 --hidden 8192 --experts 16
     python -m moetrain.parallel.bench --gpus 2 --overlap 1 --exchange all_to_all
     python -m moetrain.parallel.bench --gpus 2 --expert swiglu --capacity-factor 0   # dropless SwiGLU
+    python -m moetrain.parallel.bench --gpus 2 --expert swiglu --capacity-factor 0 --precision fp8
 
 The model is a stack of pre-norm residual MoE blocks (x + MoE(LayerNorm(x))), so MoE layers are
 nearly all of the work; bf16 weights and activations, fp32 router. The experts are two-matrix FFNs
 in the padded layout (capacity factor 1) unless --expert swiglu and --capacity-factor 0 (dropless:
-packed rows, exchanged unchunked by all-to-all) say otherwise. --device cpu runs the same on CPU
+packed rows, exchanged unchunked by all-to-all) say otherwise. --precision fp8 or fp8_block runs
+the expert GEMMs in FP8 (MoELayer(precision=...)); dropless, the tokens then travel as E4M3 rows
+(moetrain.parallel.expert). --device cpu runs the same on CPU
 processes over Gloo in fp32 (a check of the code path, not a figure). Every GPU processes --tokens
 tokens per step (weak scaling): one GPU holds all experts, N GPUs hold experts/N each and exchange
 tokens by all-to-all. A step is forward, backward and the optimizer step (SGD, through
@@ -46,16 +49,21 @@ from moetrain import MoELayer, collectives
 from moetrain.parallel.expert import EXCHANGES, parallelize
 from moetrain.parallel.launch import spawn
 from moetrain.parallel.optimizer import DistributedOptimizer
+from moetrain.quant.training import FP8_PRECISIONS, fp8_supported
 from moetrain.timing import median_ms
+
+
+FP8_CHOICES = ("bf16", *FP8_PRECISIONS)
 
 
 class MoEStack(nn.Module):
     def __init__(self, layers: int, dim: int, hidden: int, experts: int, top_k: int, impl: str,
-                 expert: str = "ffn", capacity_factor: float = 1.0):
+                 expert: str = "ffn", capacity_factor: float = 1.0, precision: str = "bf16"):
         super().__init__()
         self.norms = nn.ModuleList(nn.LayerNorm(dim) for _ in range(layers))
         self.moes = nn.ModuleList(MoELayer(dim, experts, hidden, top_k=top_k, capacity_factor=capacity_factor,
-                                           expert=expert, impl=impl) for _ in range(layers))
+                                           expert=expert, impl=impl, precision=precision)
+                                  for _ in range(layers))
 
     def forward(self, x_TD: torch.Tensor, **kwargs) -> torch.Tensor:
         for norm, moe in zip(self.norms, self.moes):
@@ -75,7 +83,7 @@ def _unit(args) -> str:
 def _build(args) -> MoEStack:
     torch.manual_seed(0)
     model = MoEStack(args.layers, args.dim, args.hidden, args.experts, args.top_k, args.impl, args.expert,
-                     args.capacity_factor)
+                     args.capacity_factor, args.precision)
     return model.to(args.device, _dtype(args))
 
 
@@ -278,6 +286,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="how tokens travel, comma-separated: all_to_all (NCCL, at every --overlap degree) "
                              "and/or peer_memory (symmetric memory over NVLink, unchunked; padded layout on "
                              "GPUs only); default both, dropless or --device cpu all_to_all")
+    parser.add_argument("--precision", choices=FP8_CHOICES, default="bf16",
+                        help="the expert GEMMs' precision (MoELayer(precision=...); fp8 needs sm90+ on GPUs)")
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--impl", choices=("kernel", "torch"), default="kernel", help="dispatch/combine implementation")
@@ -302,6 +312,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.device == "cuda" and (not torch.cuda.is_available() or torch.cuda.device_count() < args.gpus):
         parser.error(f"needs {args.gpus} CUDA GPUs, found {torch.cuda.device_count() if torch.cuda.is_available() else 0}"
                      " (--device cpu runs the code path on CPU processes)")
+    if args.precision != "bf16":
+        supported, where = fp8_supported(torch.device(args.device), args.precision)
+        if not supported:
+            parser.error(f"--precision {args.precision} cannot run on {where}: use --precision bf16")
 
     single = _run_row(lambda: _single_gpu(args))
     unit = _unit(args)
