@@ -15,17 +15,13 @@ output and zero losses, forward and backward, on every path.
 from __future__ import annotations
 
 import contextlib
+import sys
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 import torch.distributed as dist
-
-try:
-    from torch.distributed.fsdp import FSDPModule
-except ImportError:  # a torch built without distributed support
-    FSDPModule = None
 
 from moetrain import ops
 from moetrain.moe import losses, recompute
@@ -80,10 +76,12 @@ def _positive_int(name: str, value) -> int:
 
 def _own_class(module: nn.Module) -> type:
     """The module's class, seen through FSDP2's wrapper: fully_shard turns a module's class into a
-    subclass (FSDP<Name>) of FSDPModule and it."""
+    subclass (FSDP<Name>) of FSDPModule and it. FSDP is not imported for this: a module can only be
+    wrapped once something else imported it."""
     cls = type(module)
-    if FSDPModule is not None and issubclass(cls, FSDPModule):
-        return next(base for base in cls.__bases__ if base is not FSDPModule)
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    if fsdp is not None and issubclass(cls, fsdp.FSDPModule):
+        return next(base for base in cls.__bases__ if base is not fsdp.FSDPModule)
     return cls
 
 

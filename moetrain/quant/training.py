@@ -848,7 +848,6 @@ class _FP8ExchangedMatmul(torch.autograd.Function):
         return grad_x, grad_w, None, None, None, None, None, None
 
 
-@torch.compiler.disable  # collectives on a host-known split: run as written, between graphs
 def fp8_exchanged_matmul(x_TK: torch.Tensor, dest_TK: torch.Tensor, num_rows: int, exchange, w_EKN: torch.Tensor,
                          counts_E: torch.Tensor | list[int], precision: str = "fp8",
                          impl: str = "kernel") -> torch.Tensor:
