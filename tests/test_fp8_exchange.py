@@ -167,6 +167,10 @@ def exchange_worker(rank: int, world_size: int, out_dir: str) -> None:
     padded = make_plan(torch.tensor([[0, 1], [2, 3]]), None, 4, 1.0)
     results["takes tokens"] = [expert_parallel.takes_token_rows(plan, r) for plan, r in
                                ((packed, None), (packed, 1), (packed, 0), (padded, None))]
+    try:
+        expert_parallel.run_experts(layer.experts, TokenRows(x[:2], padded.dest_TK, padded.num_rows), padded)
+    except ValueError as error:
+        results["refused"] = str(error)
     # bf16: the exchanged token rows are the dispatched rows, exchanged
     layer = _layer("bf16")
     parallelize(layer)
@@ -238,3 +242,4 @@ def test_two_ranks_exchange_token_rows_in_bf16_as_dispatched_rows(two_ranks):
 def test_only_the_packed_layout_at_r_1_takes_the_tokens(two_ranks):
     """r = 0 (every expert on every rank) and the padded layout exchange dispatched rows."""
     assert all(results["takes tokens"] == [True, True, False, False] for results in two_ranks)
+    assert all("takes TokenRows for the packed layout at r = 1" in results["refused"] for results in two_ranks)

@@ -246,16 +246,16 @@ class ExpertParallel:
                     recompute: bool = False) -> torch.Tensor:
         """recompute: the experts' hidden activations are recomputed in backward (not the exchange).
         buf_RD: the expert-major rows, or the tokens where takes_token_rows (not recomputed)."""
-        if isinstance(buf_RD, TokenRows):
-            if recompute or not self.takes_token_rows(plan, adaptive_r):
-                raise ValueError("run_experts takes TokenRows for the packed layout at r = 1, not recomputed: "
-                                 "pass the dispatched rows")
-            params = None if self.experts_sharded else dict(experts.named_parameters())
-            return self._packed(experts, params, buf_RD, plan.counts_E, 1, False)
         r = self.adaptive_r if adaptive_r is None else self.layout.check_r(adaptive_r)
         overlap = self.a2a_ffn_overlap_degree if a2a_ffn_overlap_degree is None else _check_overlap(a2a_ffn_overlap_degree)
         if self.experts_sharded and (r, overlap) != (1, 1):
             raise ValueError(_SHARDED_EXPERTS.format(r=r, overlap=overlap))
+        if isinstance(buf_RD, TokenRows):
+            if recompute or plan.capacity is not None or r != 1:
+                raise ValueError("run_experts takes TokenRows for the packed layout at r = 1, not recomputed: "
+                                 "pass the dispatched rows")
+            params = None if self.experts_sharded else dict(experts.named_parameters())
+            return self._packed(experts, params, buf_RD, plan.counts_E, 1, False)
         if r == 0:
             return _mean_gradient_experts(experts, self._all_experts(experts), buf_RD, plan.counts_E, plan.capacity,
                                           self.layout.world_size, recompute)
