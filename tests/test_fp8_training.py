@@ -471,6 +471,28 @@ def test_tokens_quantized_once_give_the_dispatched_rows_result(device, precision
         assert torch.equal(got, want)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_row_gather_op_against_a_loop(device):
+    """moetrain::fp8_gather_rows (the token path's gather of E4M3 rows and their scales, a custom op
+    so that torch.compile never sees E4M3 reinterpreted as bytes): each row from a naive loop over
+    the source indices, pad where the index is one past the table; its fake and autograd
+    registration pass torch.library.opcheck (its schema test cannot compare E4M3 tensors on a CPU)."""
+    _skip_unless_supported(device, "fp8")
+    generator = torch.Generator().manual_seed(4)
+    table = (torch.randn(6, 40, generator=generator) * 30).to(torch.float8_e4m3fn).to(device)
+    scales = torch.rand(6, generator=generator).to(device)
+    source = torch.tensor([5, 6, 0, 0, 3, 6], device=device)
+    values, gathered_scales = training._gather_rows(table, source, 0.0), training._gather_rows(scales, source, 1.0)
+    for row, index in enumerate(source.tolist()):
+        want = table[index].view(torch.uint8) if index < 6 else torch.zeros(40, dtype=torch.uint8, device=device)
+        assert torch.equal(values[row].view(torch.uint8), want)
+        assert gathered_scales[row].item() == (scales[index].item() if index < 6 else 1.0)
+    op = torch.ops.moetrain.fp8_gather_rows.default
+    torch.library.opcheck(op, (table, source, 0.0),
+                          test_utils=("test_faketensor", "test_autograd_registration", "test_aot_dispatch_dynamic"))
+    torch.library.opcheck(op, (scales, source, 1.0))
+
+
 def test_the_layer_gathers_tokens_in_fp8_only_where_its_experts_and_layout_allow():
     layer = MoELayer(16, 4, 32, top_k=2, expert="swiglu", capacity_factor=0.0, precision="fp8")
     plan = make_plan(torch.tensor([[0, 1], [2, 0]]), None, 4, 0.0)

@@ -689,22 +689,21 @@ def _gather_rows_eager(table_TC: torch.Tensor, source_R: torch.Tensor, pad: floa
     return torch.cat([table_TC, table_TC.new_full((1, *table_TC.shape[1:]), pad)]).index_select(0, source_R)
 
 
-@torch.library.custom_op("moetrain::fp8_gather_rows", mutates_args=(), device_types="cuda")
-def _gather_rows_cuda(table_TC: torch.Tensor, source_R: torch.Tensor, pad: float) -> torch.Tensor:
+@torch.library.custom_op("moetrain::fp8_gather_rows", mutates_args=())
+def _gather_rows_op(table_TC: torch.Tensor, source_R: torch.Tensor, pad: float) -> torch.Tensor:
     return _gather_rows_eager(table_TC, source_R, pad)
 
 
-@_gather_rows_cuda.register_fake
+@_gather_rows_op.register_fake
 def _(table_TC, source_R, pad):
     return table_TC.new_empty((source_R.size(0), *table_TC.shape[1:]))
 
 
 def _gather_rows(table_TC: torch.Tensor, source_R: torch.Tensor, pad: float) -> torch.Tensor:
-    """table[source[r]] for each row r, with `pad` where source[r] == T (one row past the table). On
-    CUDA a custom op, so that torch.compile sees no reinterpretation of E4M3 values as bytes."""
-    if table_TC.is_cuda:
-        return _gather_rows_cuda(table_TC.contiguous(), source_R, float(pad))
-    return _gather_rows_eager(table_TC, source_R, pad)
+    """table[source[r]] for each row r, with `pad` where source[r] == T (one row past the table). A
+    custom op on every device (the CPU runs the GPU's code path), so that torch.compile sees no
+    reinterpretation of E4M3 values as bytes."""
+    return _gather_rows_op(table_TC.contiguous(), source_R, float(pad))
 
 
 class _FP8TokenMatmul(torch.autograd.Function):
