@@ -2,7 +2,9 @@
 moetrain.parallel.expert.ExchangedTokenRows).
 
 In FP8 a dropless layer at r = 1 quantizes each token once on its own rank and sends the E4M3 rows
-with their scales to its experts' ranks. Checked against references on fresh random inputs:
+with their scales to its experts' ranks, packed as bytes. Checked against references on fresh random
+inputs:
+- the packed rows against the E4M3 bytes and the scales' IEEE bytes (struct), and back;
 - in one process, with an exchange that shuffles each expert's rows as they arrive from several
   ranks: the output and the input gradient equal fp8_token_matmul's bit for bit (the same operands);
   the weight gradient equals fp8_expert_matmul's weight gradient for the rows dequantized from their
@@ -16,6 +18,7 @@ with their scales to its experts' ranks. Checked against references on fresh ran
 from __future__ import annotations
 
 import os
+import struct
 from dataclasses import dataclass
 
 import pytest
@@ -117,6 +120,30 @@ def test_exchanged_rows_give_the_token_rows_result_and_the_double_quantized_weig
     # and it stays within one more E4M3 rounding of the one-process weight gradient
     _, _, single_dw = run(lambda xi, wi: training.fp8_expert_matmul(rows, wi, counts_E, None, precision) + 0 * xi.sum())
     assert 0 < _rel(dw, single_dw) < 0.05
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_packed_rows_carry_the_values_and_scales_bytes(precision):
+    """Each packed row is its E4M3 bytes, then its fp32 scales' bytes (little-endian, as the
+    tensors hold them), and unpacks to the same values and scales; the pack and unpack custom ops
+    pass torch.library.opcheck (but for its schema test, which cannot compare E4M3 on a CPU)."""
+    generator = torch.Generator().manual_seed(2)
+    x = torch.randn(7, 200, generator=generator) * 5
+    xq, scale = training._quantize_rows_of(precision, x)
+    packed = training._pack_rows(xq, scale)
+    scale_RS = scale.view(7, -1)
+    assert packed.dtype == torch.uint8 and packed.shape == (7, 200 + 4 * scale_RS.size(1))
+    for row in range(7):
+        assert packed[row, :200].tolist() == xq[row].view(torch.uint8).tolist()
+        assert bytes(packed[row, 200:].tolist()) == b"".join(struct.pack("<f", v) for v in scale_RS[row].tolist())
+    values, scales = training._unpack_rows(packed, 200, precision)
+    assert torch.equal(values.view(torch.uint8), xq.view(torch.uint8)) and torch.equal(scales, scale)
+    single = training._unpack_rows(packed[:1], 200, precision)  # one row: its slices are contiguous already
+    assert torch.equal(single[0].view(torch.uint8), xq[:1].view(torch.uint8))
+    tests = ("test_faketensor", "test_autograd_registration", "test_aot_dispatch_dynamic")
+    torch.library.opcheck(torch.ops.moetrain.fp8_pack_rows.default, (xq, scale_RS), test_utils=tests)
+    torch.library.opcheck(torch.ops.moetrain.fp8_unpack_rows.default, (packed, 200), test_utils=tests)
+    torch.library.opcheck(torch.ops.moetrain.fp8_unpack_rows.default, (packed[:1], 200), test_utils=tests)
 
 
 # ---------------------------------------------------------------------- two ranks (Gloo)

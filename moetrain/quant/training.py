@@ -800,15 +800,39 @@ def dequantize_rows_of(precision: str, xq_RK: torch.Tensor, x_scale: torch.Tenso
     return dequantize_fp8_groups(xq_RK, x_scale.view(-1, 1), max(1, xq_RK.size(1)))
 
 
-def _pack_rows(xq_RK: torch.Tensor, x_scale: torch.Tensor) -> torch.Tensor:
-    """uint8 [R, K + 4 S]: each row's E4M3 values, then its S fp32 scales' bytes (one exchange)."""
-    scale_RS = x_scale if x_scale.dim() == 2 else x_scale.unsqueeze(1)
+# Packing and unpacking reinterpret E4M3 values and fp32 scales as bytes: custom ops, so that
+# torch.compile never sees those reinterpretations (as moetrain::fp8_gather_rows).
+@torch.library.custom_op("moetrain::fp8_pack_rows", mutates_args=())
+def _pack_rows_op(xq_RK: torch.Tensor, scale_RS: torch.Tensor) -> torch.Tensor:
     return torch.cat([xq_RK.view(torch.uint8), scale_RS.contiguous().view(torch.uint8)], dim=1)
 
 
+@_pack_rows_op.register_fake
+def _(xq_RK, scale_RS):
+    return xq_RK.new_empty((xq_RK.size(0), xq_RK.size(1) + 4 * scale_RS.size(1)), dtype=torch.uint8)
+
+
+@torch.library.custom_op("moetrain::fp8_unpack_rows", mutates_args=())
+def _unpack_rows_op(packed_RB: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    values = packed_RB[:, :k].clone(memory_format=torch.contiguous_format)
+    scales = packed_RB[:, k:].clone(memory_format=torch.contiguous_format)
+    return values.view(torch.float8_e4m3fn), scales.view(torch.float32)
+
+
+@_unpack_rows_op.register_fake
+def _(packed_RB, k):
+    rows = packed_RB.size(0)
+    return (packed_RB.new_empty((rows, k), dtype=torch.float8_e4m3fn),
+            packed_RB.new_empty((rows, (packed_RB.size(1) - k) // 4), dtype=torch.float32))
+
+
+def _pack_rows(xq_RK: torch.Tensor, x_scale: torch.Tensor) -> torch.Tensor:
+    """uint8 [R, K + 4 S]: each row's E4M3 values, then its S fp32 scales' bytes (one exchange)."""
+    return _pack_rows_op(xq_RK.contiguous(), x_scale if x_scale.dim() == 2 else x_scale.unsqueeze(1))
+
+
 def _unpack_rows(packed_RB: torch.Tensor, k: int, precision: str) -> tuple[torch.Tensor, torch.Tensor]:
-    xq_RK = packed_RB[:, :k].contiguous().view(torch.float8_e4m3fn)
-    x_scale_RS = packed_RB[:, k:].contiguous().view(torch.float32)
+    xq_RK, x_scale_RS = _unpack_rows_op(packed_RB, k)
     return xq_RK, (x_scale_RS if precision == "fp8_block" else x_scale_RS.view(-1))
 
 
