@@ -185,6 +185,10 @@ def exchange_worker(rank: int, world_size: int, out_dir: str) -> None:
         finally:
             training.fp8_exchanged_matmul = original
         results[precision]["exchanged"] = len(calls)
+        # compiled (aot_eager: the graphs torch.compile makes, run by torch's own kernels)
+        layer.zero_grad(set_to_none=True)
+        results[precision]["compiled"] = _step(torch.compile(layer, backend="aot_eager"), x[mine], probe[mine])
+        layer.zero_grad(set_to_none=True)
         results[precision]["local"] = expert_parallel.layout.local_slice
         # a rank without tokens still joins the exchanges, and receives the other's rows
         none_on_1 = slice(0, TOKENS * (1 - rank))
@@ -250,6 +254,15 @@ def test_two_ranks_give_the_one_process_layer(two_ranks, precision):
         exact = full["w_gate_up"][local] / 2
         assert _rel(got["w_gate_up"], want) > 0
         assert _rel(got["w_gate_up"], exact) < min(0.1, 1.25 * _rel(want, exact))
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_compiled_layer_gives_the_eager_result(two_ranks, precision):
+    for results in two_ranks:
+        eager, compiled = results[precision], results[precision]["compiled"]
+        for name in ("y", "dx", "w_gate_up", "w_down"):
+            print(precision, name, _rel(compiled[name], eager[name]))
+            assert torch.equal(compiled[name], eager[name]), name
 
 
 @pytest.mark.parametrize("precision", PRECISIONS)

@@ -20,8 +20,8 @@ No failure hangs the job or leaves a process behind:
 
 from __future__ import annotations
 
+import atexit
 import ctypes
-import logging
 import os
 import pickle
 import re
@@ -239,8 +239,9 @@ def _worker(rank: int, world_size: int, port: int, backend: str | None, timeout_
     # collective the interpreter's shutdown may wait on threads that never end, and after a clean
     # run the C++ destructors that shutdown runs (the rendezvous store's and Gloo's threads) could
     # abort the finished worker ("terminate called without an active exception", SIGABRT), which
-    # fails a job whose work is done. So fn must finish its work (close files, join its threads)
-    # before it returns: atexit handlers do not run in a worker.
+    # fails a job whose work is done. After a clean run the atexit handlers still run; the
+    # interpreter's own shutdown (joining threads, finalizing modules) does not, so fn must finish
+    # its work (close files, join its threads) before it returns.
     code = 0
     try:
         init_distributed(rank, world_size, port, backend, timeout_s=timeout_s)
@@ -258,7 +259,10 @@ def _worker(rank: int, world_size: int, port: int, backend: str | None, timeout_
         _report(connection, error)
         code = 130 if isinstance(error, KeyboardInterrupt) else 1
     connection.close()
-    logging.shutdown()
+    if code == 0:
+        # The interpreter's own exit functions (logging, multiprocessing's finalizers, torch.compile's
+        # worker pools) still run: only the C++ teardown after them is skipped.
+        atexit._run_exitfuncs()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
@@ -322,8 +326,8 @@ def spawn(fn, nprocs: int, args: tuple = (), backend: str | None = None,
           timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
     """Run fn(rank, world_size, *args) in nprocs fresh processes joined in one process group whose
     collectives wait at most timeout_s. fn must be importable (a module-level function), and have
-    finished its work when it returns (files closed, its threads joined): a worker ends there with
-    os._exit, without the interpreter's shutdown or atexit handlers.
+    finished its work when it returns (files closed, its threads joined): a worker then runs the
+    atexit handlers and ends with os._exit, without the interpreter's shutdown.
     Raises WorkerFailed when a worker fails (the others are stopped), WorkersTerminated after a
     SIGTERM, KeyboardInterrupt after Ctrl-C; every worker has ended when it returns or raises."""
     if isinstance(nprocs, bool) or not isinstance(nprocs, int) or nprocs < 1:
