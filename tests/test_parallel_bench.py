@@ -43,6 +43,8 @@ def test_fp8_rows_travel_in_the_dropless_benchmark(capsys):
     assert report["config"]["precision"] == "fp8"
     assert [run["setup"] for run in report["runs"]] == ["1 rank", "2 ranks EP a2a"]
     assert all("error" not in run for run in report["runs"]), report["runs"]
+    # the exchange alone, as FP8 rows: 4 experts x capacity 64 * 2 / 4 rows of 32 values + one fp32 scale
+    assert report["exchange"]["fp8_mbytes"] == 4 * 32 * (32 + 4) / 1e6 and report["exchange"]["fp8_all_to_all_ms"] > 0
 
 
 @pytest.mark.parametrize("argv,message", [

@@ -214,7 +214,9 @@ def _median_ms(run, device: str, repeats: int = 20, warmup: int = 5) -> float:
 def _time_exchange(args, peer_memory: bool) -> dict:
     """One [E, C, D] exchange of the benchmark's shape (each MoE layer makes 4 a step) on its own,
     median of 20: NCCL's all_to_all_single, a local copy of the buffer for scale, or (peer_memory)
-    collectives.PeerMemoryExchange's expert-major regrouping exchange."""
+    collectives.PeerMemoryExchange's expert-major regrouping exchange. With --precision fp8 or
+    fp8_block also the same rows as the FP8 path sends them: E4M3 bytes and fp32 scales (D + 4 or
+    D + 4 D/128 bytes a row)."""
     experts, capacity = args.experts, args.tokens * args.top_k // args.experts
     x = torch.randn(experts, capacity, args.dim, device=args.device, dtype=_dtype(args))
     mbytes = x.numel() * x.element_size() / 1e6
@@ -227,6 +229,12 @@ def _time_exchange(args, peer_memory: bool) -> dict:
     # Each rank keeps 1/W of the buffer and sends the rest, (W-1)/W of it, to the other ranks.
     world = dist.get_world_size()
     timings["sent_gb_per_s"] = mbytes * (world - 1) / world / timings["all_to_all_ms"]
+    if args.precision != "bf16":
+        scales = 1 if args.precision == "fp8" else -(-args.dim // 128)
+        packed = torch.zeros(experts * capacity, args.dim + 4 * scales, device=args.device, dtype=torch.uint8)
+        arrived = torch.empty_like(packed)
+        timings["fp8_mbytes"] = packed.numel() / 1e6
+        timings["fp8_all_to_all_ms"] = _median_ms(lambda: dist.all_to_all_single(arrived, packed), args.device)
     return timings
 
 
@@ -351,6 +359,9 @@ def main(argv: list[str] | None = None) -> int:
               f"a local copy of it {exchange['copy_ms']:.3f} ms")
     else:
         print(f"one exchange alone: FAILED {exchange.get('error')}")
+    if "fp8_all_to_all_ms" in exchange:
+        print(f"the same rows as {args.precision} sends them ({exchange['fp8_mbytes']:.0f} MB of E4M3 values and "
+              f"scales): {exchange['fp8_all_to_all_ms']:.3f} ms")
     if "peer_memory" in args.exchange:
         if "peer_memory_ms" in peer_exchange:
             print(f"the same through peer memory, regrouped expert-major: {peer_exchange['peer_memory_ms']:.3f} ms")
