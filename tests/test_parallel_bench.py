@@ -45,6 +45,9 @@ def test_fp8_rows_travel_in_the_dropless_benchmark(capsys):
     assert all("error" not in run for run in report["runs"]), report["runs"]
     # the exchange alone, as FP8 rows: 4 experts x capacity 64 * 2 / 4 rows of 32 values + one fp32 scale
     assert report["exchange"]["fp8_mbytes"] == 4 * 32 * (32 + 4) / 1e6 and report["exchange"]["fp8_all_to_all_ms"] > 0
+    # the padded layout exchanges the bf16 rows (quantized after the exchange): no FP8 exchange to time
+    assert bench.main(SMALL + ["--precision", "fp8"]) == 0
+    assert "fp8_all_to_all_ms" not in _report(capsys)["exchange"]
 
 
 @pytest.mark.parametrize("argv,message", [

@@ -215,8 +215,8 @@ def _time_exchange(args, peer_memory: bool) -> dict:
     """One [E, C, D] exchange of the benchmark's shape (each MoE layer makes 4 a step) on its own,
     median of 20: NCCL's all_to_all_single, a local copy of the buffer for scale, or (peer_memory)
     collectives.PeerMemoryExchange's expert-major regrouping exchange. With --precision fp8 or
-    fp8_block also the same rows as the FP8 path sends them: E4M3 bytes and fp32 scales (D + 4 or
-    D + 4 D/128 bytes a row)."""
+    fp8_block and dropless experts also the same rows as the FP8 path sends them: E4M3 bytes and
+    fp32 scales (D + 4 or D + 4 D/128 bytes a row)."""
     experts, capacity = args.experts, args.tokens * args.top_k // args.experts
     x = torch.randn(experts, capacity, args.dim, device=args.device, dtype=_dtype(args))
     mbytes = x.numel() * x.element_size() / 1e6
@@ -229,7 +229,7 @@ def _time_exchange(args, peer_memory: bool) -> dict:
     # Each rank keeps 1/W of the buffer and sends the rest, (W-1)/W of it, to the other ranks.
     world = dist.get_world_size()
     timings["sent_gb_per_s"] = mbytes * (world - 1) / world / timings["all_to_all_ms"]
-    if args.precision != "bf16":
+    if args.precision != "bf16" and args.capacity_factor == 0:  # FP8 rows travel in the dropless layout only
         scales = 1 if args.precision == "fp8" else -(-args.dim // 128)
         packed = torch.zeros(experts * capacity, args.dim + 4 * scales, device=args.device, dtype=torch.uint8)
         arrived = torch.empty_like(packed)
