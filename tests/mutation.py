@@ -200,7 +200,7 @@ MUTANTS = [
            "torch.arange(tokens * top_k, device=dest_TK.device) % tokens",
            ("tests/test_fp8_training.py",), "FP8 training gathers each expert row from the wrong token"),
     Mutant("fp8_token_padding_not_zero", "moetrain/quant/training.py",
-           "xq_RK = _gather_rows(xq_TK, source_R, 0.0)", "xq_RK = _gather_rows(xq_TK, source_R, 56.0)",
+           "return _gather_rows(xq_TK, source_R, 0.0),", "return _gather_rows(xq_TK, source_R, 56.0),",
            ("tests/test_fp8_training.py",),
            "FP8 rows no token fills hold 1.0 (byte 56), not zero: their outputs are never read, but the next "
            "GEMM's per-expert column scales see them"),

@@ -49,11 +49,9 @@ from moetrain import MoELayer, collectives
 from moetrain.parallel.expert import EXCHANGES, parallelize
 from moetrain.parallel.launch import spawn
 from moetrain.parallel.optimizer import DistributedOptimizer
-from moetrain.quant.training import FP8_PRECISIONS, fp8_supported
+from moetrain.moe.experts import PRECISIONS
+from moetrain.quant.training import fp8_supported
 from moetrain.timing import median_ms
-
-
-FP8_CHOICES = ("bf16", *FP8_PRECISIONS)
 
 
 class MoEStack(nn.Module):
@@ -294,7 +292,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="how tokens travel, comma-separated: all_to_all (NCCL, at every --overlap degree) "
                              "and/or peer_memory (symmetric memory over NVLink, unchunked; padded layout on "
                              "GPUs only); default both, dropless or --device cpu all_to_all")
-    parser.add_argument("--precision", choices=FP8_CHOICES, default="bf16",
+    parser.add_argument("--precision", choices=PRECISIONS, default="bf16",
                         help="the expert GEMMs' precision (MoELayer(precision=...); fp8 needs sm90+ on GPUs)")
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=3)

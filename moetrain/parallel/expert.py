@@ -215,6 +215,11 @@ def _mean_gradient_experts(experts, params, x_RD, counts, capacity, world_size, 
     return _ScaleGradient.apply(y_RD, 1.0 / world_size)
 
 
+def _takes_tokens(plan: RoutingPlan, r: int) -> bool:
+    """The layout whose FP8 rows travel (ExchangedTokenRows): packed, at r = 1."""
+    return plan.capacity is None and r == 1
+
+
 _SHARDED_EXPERTS = ("adaptive_r={r}, a2a_ffn_overlap_degree={overlap}: experts sharded by FSDP "
                     "(ParallelConfig.strategy='fsdp_expert') run once per call with r = 1; the adaptive degree and "
                     "the chunked overlap need ParallelConfig.strategy='expert'")
@@ -238,8 +243,7 @@ class ExpertParallel:
     def takes_token_rows(self, plan: RoutingPlan, adaptive_r: int | None = None) -> bool:
         """Whether run_experts takes this call's tokens (TokenRows) for FP8 rows to travel: the
         packed layout at r = 1."""
-        r = self.adaptive_r if adaptive_r is None else self.layout.check_r(adaptive_r)
-        return plan.capacity is None and r == 1
+        return _takes_tokens(plan, self.adaptive_r if adaptive_r is None else self.layout.check_r(adaptive_r))
 
     def run_experts(self, experts: Experts, buf_RD: torch.Tensor | TokenRows, plan: RoutingPlan,
                     adaptive_r: int | None = None, a2a_ffn_overlap_degree: int | None = None,
@@ -251,7 +255,7 @@ class ExpertParallel:
         if self.experts_sharded and (r, overlap) != (1, 1):
             raise ValueError(_SHARDED_EXPERTS.format(r=r, overlap=overlap))
         if isinstance(buf_RD, TokenRows):
-            if recompute or plan.capacity is not None or r != 1:
+            if recompute or not _takes_tokens(plan, r):
                 raise ValueError("run_experts takes TokenRows for the packed layout at r = 1, not recomputed: "
                                  "pass the dispatched rows")
             params = None if self.experts_sharded else dict(experts.named_parameters())

@@ -706,6 +706,14 @@ def _gather_rows(table_TC: torch.Tensor, source_R: torch.Tensor, pad: float) -> 
     return _gather_rows_op(table_TC.contiguous(), source_R, float(pad))
 
 
+def _quantized_copies(precision: str, x_TK: torch.Tensor, source_R: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each token quantized once (the forward's recipe), its E4M3 values and scales gathered into
+    the rows source_R names; a row no token fills is zero, as dispatch leaves it: zero values,
+    scale 1."""
+    xq_TK, x_scale_T = _quantize_rows_of(precision, x_TK)
+    return _gather_rows(xq_TK, source_R, 0.0), _gather_rows(x_scale_T, source_R, 1.0)
+
+
 class _FP8TokenMatmul(torch.autograd.Function):
     """_FP8ExpertMatmul on rows that are copies of tokens (TokenRows): each token is quantized
     once, before dispatch, and its FP8 values and scales are gathered into the expert layout (half
@@ -715,11 +723,7 @@ class _FP8TokenMatmul(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x_TK, w_EKN, counts_E, dest_TK, num_rows, precision, impl):
-        xq_TK, x_scale_T = _quantize_rows_of(precision, x_TK)
-        source_R = _source_rows(dest_TK, num_rows)
-        # a row no token fills is zero, as dispatch leaves it: zero values, scale 1
-        xq_RK = _gather_rows(xq_TK, source_R, 0.0)
-        x_scale_R = _gather_rows(x_scale_T, source_R, 1.0)
+        xq_RK, x_scale_R = _quantized_copies(precision, x_TK, _source_rows(dest_TK, num_rows))
         ctx.save_for_backward(x_TK, w_EKN, counts_E, dest_TK)
         ctx.num_rows, ctx.precision, ctx.impl = num_rows, precision, impl
         return _forward_gemm(precision, xq_RK, x_scale_R, w_EKN, counts_E).to(x_TK.dtype)
@@ -848,9 +852,8 @@ class _FP8ExchangedMatmul(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x_TK, w_EKN, counts_E, dest_TK, num_rows, precision, impl, exchange):
-        xq_TK, x_scale_T = _quantize_rows_of(precision, x_TK)
         source_S = _source_rows(dest_TK, num_rows)[:exchange.sent_rows]
-        packed_SB = _pack_rows(_gather_rows(xq_TK, source_S, 0.0), _gather_rows(x_scale_T, source_S, 1.0))
+        packed_SB = _pack_rows(*_quantized_copies(precision, x_TK, source_S))
         xq_RK, x_scale_R = _unpack_rows(exchange.to_experts(packed_SB), x_TK.size(1), precision)
         ctx.save_for_backward(xq_RK, x_scale_R, w_EKN, counts_E, dest_TK)
         ctx.num_rows, ctx.precision, ctx.impl, ctx.exchange, ctx.dtype = num_rows, precision, impl, exchange, x_TK.dtype
