@@ -20,9 +20,10 @@ renormalised, dropless, bias-free SwiGLU experts) have the columns
                      fused SwiGLU, the routing kernels
   grouped_mm         torch's recipe for them: sort, torch._grouped_mm three times, scatter back
   gemms alone        the three expert GEMMs, forward and backward, on equal blocks (the bound)
-  fp8                the moetrain layer with precision="fp8" (on sm90+): every expert GEMM of
-                     forward and backward in FP8 with row-wise scales (moetrain.quant.training),
-                     against bf16
+  fp8                the moetrain layer with precision="fp8" (on sm90+): the expert GEMMs of the
+                     forward and the input gradient in FP8 with row-wise scales, the weight
+                     gradient's in bf16 (moetrain.quant.training), against bf16; with
+                     --fp8-wgrad fp8 the weight gradient's in FP8 too
   fp8_block          the same with precision="fp8_block": DeepSeek-V3's 1x128 / 128x128 block
                      scales, against bf16
 The ceiling is a short burst; a layer's GEMMs run for seconds, and a large one (mixtral) draws
@@ -54,6 +55,7 @@ import torch
 import torch.nn.functional as F
 
 from moetrain import MoELayer
+from moetrain.moe.experts import FP8_WGRADS
 from moetrain.ops import grouped, triton_grouped
 from moetrain.quant.training import fp8_supported
 from moetrain.timing import host_ms, median_ms, profile_table
@@ -219,14 +221,15 @@ class GroupedMMSwiGLUBaseline:
         return torch.zeros_like(x_TD).index_add(0, token_N, out_ND)
 
 
-def in_precision(layer: MoELayer, precision: str) -> Callable[[torch.Tensor], torch.Tensor]:
+def in_precision(layer: MoELayer, precision: str, fp8_wgrad: str = "bf16") -> Callable[[torch.Tensor], torch.Tensor]:
     """The layer called with its expert GEMMs in another precision (same weights, same routing)."""
     def call(x_TD: torch.Tensor) -> torch.Tensor:
-        saved, layer.precision = layer.precision, precision
+        saved = layer.precision, layer.fp8_wgrad
+        layer.precision, layer.fp8_wgrad = precision, fp8_wgrad
         try:
             return layer(x_TD)
         finally:
-            layer.precision = saved
+            layer.precision, layer.fp8_wgrad = saved
     return call
 
 
@@ -322,7 +325,7 @@ def build_layer(shape: Shape, device: torch.device, dtype: torch.dtype, capacity
 
 
 def bench_shape(shape: Shape, device: torch.device, dtype: torch.dtype, capacity_factor: float, warmup: int,
-                steps: int, profile: bool = False, compile_mode: str | None = None) -> dict:
+                steps: int, profile: bool = False, compile_mode: str | None = None, fp8_wgrad: str = "bf16") -> dict:
     """Median step time and TFLOP/s of every implementation on one shape, same inputs for all."""
     torch.manual_seed(1)
     x_TD = torch.randn(shape.tokens, shape.model_dim, device=device, dtype=dtype, requires_grad=True)
@@ -341,7 +344,7 @@ def bench_shape(shape: Shape, device: torch.device, dtype: torch.dtype, capacity
                                                       "triton")
         for precision in ("fp8", "fp8_block"):
             if swiglu and fp8_supported(device, precision)[0]:
-                columns[f"moetrain_{precision}"] = in_precision(layer, precision)
+                columns[f"moetrain_{precision}"] = in_precision(layer, precision, fp8_wgrad)
     else:
         torch_layer = build_layer(shape, device, dtype, capacity_factor, impl="torch")
         torch_layer.load_state_dict(layer.state_dict())
@@ -351,7 +354,7 @@ def bench_shape(shape: Shape, device: torch.device, dtype: torch.dtype, capacity
     if compile_mode is not None:
         torch._dynamo.reset()  # each shape traces afresh
         columns["compiled"] = torch.compile(layer, mode=None if compile_mode == "default" else compile_mode)
-    result = {"shape": asdict(shape), "capacity_factor": 0.0 if swiglu else capacity_factor}
+    result = {"shape": asdict(shape), "capacity_factor": 0.0 if swiglu else capacity_factor, "fp8_wgrad": fp8_wgrad}
     for name, fn in columns.items():
         fn_params = list(fn.parameters()) if name in ("moetrain_torch", "grouped_mm") else params
         step = _forward_backward(fn, x_TD, fn_params)
@@ -428,8 +431,9 @@ def gpu_table(results: list[dict], ceiling: float) -> str:
                          f"{_peak(r, 'moetrain_fp8_block'):>8}   {_tflops(r, 'moetrain_triton'):6.0f} "
                          f"{_tflops(r, 'moetrain_triton') / bf16:7.2f}x")
         lines.append("LM: dropless bias-free SwiGLU experts, softmax top-k renormalised; fp8 / fp8_block: the same "
-                     "layer with precision='fp8' / 'fp8_block' (every expert GEMM of forward and backward in FP8, "
-                     "row-wise / 1x128 and 128x128 block scales), TFLOP/s counted as bf16's; triton: the same "
+                     "layer with precision='fp8' / 'fp8_block' (forward and input-gradient expert GEMMs in FP8, "
+                     "row-wise / 1x128 and 128x128 block scales; the weight gradient's in "
+                     f"{lm[0].get('fp8_wgrad', 'bf16')}), TFLOP/s counted as bf16's; triton: the same "
                      "bf16 layer with moetrain.ops.triton_grouped's GEMMs instead of torch._grouped_mm")
     lines.append(f"useful expert TFLOP/s, forward + backward; dense GEMM ceiling {ceiling:.0f} TFLOP/s; "
                  "gemms = the expert GEMMs alone (the bound)")
@@ -480,6 +484,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--profile", action="store_true", help="print the kernels of the moetrain column's step")
     parser.add_argument("--compile", default=None, metavar="MODE", choices=COMPILE_MODES,
                         help=f"add a column for torch.compile(layer) in this mode ({', '.join(COMPILE_MODES)})")
+    parser.add_argument("--fp8-wgrad", choices=FP8_WGRADS, default="bf16",
+                        help="the fp8 and fp8_block columns' weight-gradient GEMM (MoELayer.fp8_wgrad)")
     parser.add_argument("--threads", type=int, default=None,
                         help="CPU threads for torch and the C++ kernels (default: torch's); 1 is steadiest on a busy machine")
     args = parser.parse_args(argv)
@@ -513,7 +519,7 @@ def main(argv: list[str] | None = None) -> dict:
         report["dense_tflops"] = dense_ceiling(device, dtype)
     for name in names:
         result = bench_shape(known[name], device, dtype, args.capacity_factor, args.warmup, steps, args.profile,
-                             args.compile)
+                             args.compile, args.fp8_wgrad)
         report["results"].append(result)
         print(f"{name}: " + ", ".join(f"{k} {v['ms']:.2f} ms" for k, v in result.items() if isinstance(v, dict)
                                       and "ms" in v), flush=True)

@@ -60,6 +60,11 @@ class Precision(Enum):
     fp8_block = "fp8_block"  # as fp8, with DeepSeek-V3's 1x128 / 128x128 block scales instead of row-wise ones
 
 
+class FP8Wgrad(Enum):
+    bf16 = "bf16"  # the weight gradient's GEMM on bf16 operands, as in bf16 training
+    fp8 = "fp8"  # in FP8 too, by the precision's recipe (DeepSeek-V3's)
+
+
 class NonFinite(Enum):
     stop = "stop"  # stop the run, naming the step
     skip = "skip"  # drop that step's update and go on
@@ -152,6 +157,7 @@ class TrainerConfig:
     on_nonfinite: NonFinite = NonFinite.stop
     device: Device = Device.auto
     precision: Precision = Precision.auto
+    fp8_wgrad: Optional[FP8Wgrad] = None  # precision fp8 | fp8_block: the weight gradient's GEMM; null = bf16
     progress_bar: bool = True
     # torch.compile the model before training: faster steps on GPUs; on a CPU it works but the
     # first step compiles for a long time. Checkpoints keep the plain model's parameter names.

@@ -113,6 +113,9 @@ ERRORS = [
     (["trainer.max_steps=abc"], "bad value for trainer.max_steps"),
     (["trainer.on_nonfinite=maybe"], "expected one of [stop, skip]"),
     (["trainer.precision=fp8_row"], "expected one of [auto, bf16, fp32, fp8, fp8_block]"),
+    (["trainer.fp8_wgrad=fp16"], "expected one of [bf16, fp8]"),
+    (["trainer.fp8_wgrad=fp8"], "trainer.fp8_wgrad=fp8 applies only with precision fp8 or fp8_block, not with "
+                                "trainer.precision=auto"),
     (["gate.top_k=9"], "gate.top_k=9 exceeds model.num_experts=4"),
     (["-m", "gate.top_k=1,9"], "gate.top_k=9 exceeds model.num_experts=4"),
     (["+model.dimm=3"], "did you mean dim?"),

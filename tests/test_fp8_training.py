@@ -241,7 +241,11 @@ def rowwise_gemms(request):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("rows,k,n,experts,padding", [(64, 32, 48, 4, 0), (517, 128, 80, 6, 11), (9, 16, 16, 3, 0)])
-def test_three_gemms_are_fp32_gemms_of_the_dequantized_operands(device, rows, k, n, experts, padding, rowwise_gemms):
+@pytest.mark.parametrize("wgrad", ["bf16", "fp8"])
+def test_three_gemms_are_fp32_gemms_of_the_dequantized_operands(device, rows, k, n, experts, padding, wgrad,
+                                                                 rowwise_gemms):
+    """Forward and dgrad: fp32 GEMMs of the operands as E4M3 rounds them (row-wise scales); wgrad:
+    the same per expert column (wgrad="fp8"), or of the bf16 operands (wgrad="bf16")."""
     if device == "cpu" and rowwise_gemms == "triton":
         pytest.skip("the CPU emulates the GEMMs whichever CUDA kernels are chosen")
     g = torch.Generator().manual_seed(rows)
@@ -250,7 +254,7 @@ def test_three_gemms_are_fp32_gemms_of_the_dequantized_operands(device, rows, k,
     x[rows:] = 0  # the packed layout's padding rows
     x = x.to(device, torch.bfloat16).requires_grad_()
     w = (torch.randn(experts, k, n, generator=g) / k**0.5).to(device).requires_grad_()
-    y = training.fp8_expert_matmul(x, w, torch.tensor(counts, device=device), None)
+    y = training.fp8_expert_matmul(x, w, torch.tensor(counts, device=device), None, wgrad=wgrad)
     assert y.shape == (rows + padding, n) and y.dtype == torch.bfloat16
     all_counts = counts[:-1] + [counts[-1] + padding]
     want_y = _per_expert(_dequantized_rows(x.detach()), _dequantized_weight(w.detach(), over=1), all_counts)
@@ -260,8 +264,11 @@ def test_three_gemms_are_fp32_gemms_of_the_dequantized_operands(device, rows, k,
     want_dx = _per_expert(_dequantized_rows(dy), _dequantized_weight(w.detach(), over=2).transpose(1, 2), all_counts)
     assert x.grad.dtype == torch.bfloat16 and w.grad.dtype == torch.float32
     assert _rel(x.grad, want_dx) < BF16_ULP
-    _assert_weight_gradient(w.grad, _dequantized_columns(x.detach(), all_counts), _dequantized_columns(dy, all_counts),
-                            all_counts)
+    if wgrad == "fp8":
+        _assert_weight_gradient(w.grad, _dequantized_columns(x.detach(), all_counts),
+                                _dequantized_columns(dy, all_counts), all_counts)
+    else:
+        _assert_weight_gradient(w.grad, x.detach().float().cpu(), dy.float().cpu(), all_counts)
 
 
 def _assert_weight_gradient(grad_w, xs, dys, counts) -> None:
@@ -358,7 +365,8 @@ def test_a_non_finite_value_poisons_only_its_block_tiles(device):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("rows,k,n,experts,padding", [(64, 32, 48, 4, 0), (517, 200, 80, 6, 11), (300, 256, 384, 3, 0),
                                                       (9, 16, 16, 3, 0)])
-def test_block_gemms_are_fp32_gemms_of_the_dequantized_operands(device, rows, k, n, experts, padding):
+@pytest.mark.parametrize("wgrad", ["bf16", "fp8"])
+def test_block_gemms_are_fp32_gemms_of_the_dequantized_operands(device, rows, k, n, experts, padding, wgrad):
     """fp8_block's forward, dgrad and wgrad against fp32 GEMMs of the operands quantized by
     _reference_tiles: K and N below, above and at multiples of 128, an expert without rows, row
     counts (and 128-row blocks) that straddle experts, padding rows past the last expert."""
@@ -369,7 +377,7 @@ def test_block_gemms_are_fp32_gemms_of_the_dequantized_operands(device, rows, k,
     x[rows:] = 0  # the packed layout's padding rows
     x = x.to(device, torch.bfloat16).requires_grad_()
     w = (torch.randn(experts, k, n, generator=g) / k**0.5).to(device).requires_grad_()
-    y = training.fp8_expert_matmul(x, w, torch.tensor(counts, device=device), None, "fp8_block")
+    y = training.fp8_expert_matmul(x, w, torch.tensor(counts, device=device), None, "fp8_block", wgrad)
     assert y.shape == (rows + padding, n) and y.dtype == torch.bfloat16
     all_counts = counts[:-1] + [counts[-1] + padding]
     w_blocks = torch.stack([_reference_dequantized(w_KN, (128, 128)) for w_KN in w.detach()])
@@ -380,8 +388,11 @@ def test_block_gemms_are_fp32_gemms_of_the_dequantized_operands(device, rows, k,
     want_dx = _per_expert(_reference_dequantized(dy, (1, 128)), w_blocks.transpose(1, 2), all_counts)
     assert x.grad.dtype == torch.bfloat16 and w.grad.dtype == torch.float32
     assert _rel(x.grad, want_dx) < BF16_ULP
-    _assert_weight_gradient(w.grad, _reference_dequantized(x, (128, 1)), _reference_dequantized(dy, (128, 1)),
-                            all_counts)
+    if wgrad == "fp8":
+        _assert_weight_gradient(w.grad, _reference_dequantized(x, (128, 1)), _reference_dequantized(dy, (128, 1)),
+                                all_counts)
+    else:
+        _assert_weight_gradient(w.grad, x.detach().float().cpu(), dy.float().cpu(), all_counts)
 
 
 def test_rowwise_gemms_choice_is_checked():
@@ -599,10 +610,12 @@ def test_qwen3_recipe_in_fp8_reaches_the_full_precision_validation_loss(tmp_path
     assert losses["fp8"] != losses["fp32"]  # the FP8 GEMMs really ran
 
 
-def test_trainer_precision_fp8_block_runs_every_expert_gemm_in_fp8_block(tmp_path, monkeypatch):
+@pytest.mark.parametrize("fp8_wgrad", [None, "fp8"])
+def test_trainer_precision_fp8_block_runs_every_expert_gemm_in_fp8_block(fp8_wgrad, tmp_path, monkeypatch):
     """`moetrain trainer.precision=fp8_block` (in process, the quickstart recipe, tiny, CPU): the
-    trainer sets every MoE layer to fp8_block, so each step's expert GEMMs (forward, dgrad, wgrad)
-    all go through the block-scaled path, and the run finishes with a finite loss."""
+    trainer sets every MoE layer to fp8_block, so each step's forward and dgrad expert GEMMs go
+    through the block-scaled path, and the weight gradients through bf16 GEMMs or, with
+    trainer.fp8_wgrad=fp8, the block-scaled path too; the run finishes with a finite loss."""
     import json
     import sys
 
@@ -610,8 +623,8 @@ def test_trainer_precision_fp8_block_runs_every_expert_gemm_in_fp8_block(tmp_pat
 
     from moetrain import cli
 
-    calls = {"rows": 0, "columns": 0}
-    for kind, name in (("rows", "block_rows_matmul"), ("columns", "block_columns_matmul")):
+    calls = {"rows": 0, "columns": 0, "bf16": 0}
+    for kind, name in (("rows", "block_rows_matmul"), ("columns", "block_columns_matmul"), ("bf16", "bf16_weight_grad")):
         def counted(*args, _kind=kind, _gemm=getattr(training, name)):
             calls[_kind] += 1
             return _gemm(*args)
@@ -619,6 +632,7 @@ def test_trainer_precision_fp8_block_runs_every_expert_gemm_in_fp8_block(tmp_pat
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(sys, "argv", ["moetrain", "+recipe=quickstart", *TINY_RUN, *TINY_SYNTHETIC, "logger=none",
                                       "trainer.device=cpu", "trainer.precision=fp8_block", "trainer.eval_every=0",
+                                      *([f"trainer.fp8_wgrad={fp8_wgrad}"] if fp8_wgrad else []),
                                       f"hydra.run.dir={tmp_path / 'run'}", "hydra/job_logging=none",
                                       "hydra/hydra_logging=none"])
     cli.main()
@@ -626,12 +640,14 @@ def test_trainer_precision_fp8_block_runs_every_expert_gemm_in_fp8_block(tmp_pat
     assert metrics["step"] == 3
     assert all(math.isfinite(v) for k, v in metrics.items() if "loss" in k), metrics
     # wgrad: once per expert GEMM and step; forward and dgrad: twice that, and the final evaluation's forwards
-    assert calls["columns"] and calls["columns"] % 3 == 0 and calls["rows"] > 2 * calls["columns"], calls
+    wgrads, unused = ("columns", "bf16") if fp8_wgrad == "fp8" else ("bf16", "columns")
+    assert calls[wgrads] and calls[wgrads] % 3 == 0 and calls["rows"] > 2 * calls[wgrads], calls
+    assert calls[unused] == 0, calls
 
 
 def test_training_gemm_bench_times_every_path_of_each_expert_gemm(capsys, monkeypatch):
     """python -m moetrain.quant.bench --training-gemms: each expert GEMM (gate-up [R, D] x [E, D, 2H],
-    down [R, H] x [E, H, D]) on bf16 and both FP8 recipes, its forward and both backward GEMMs
+    down [R, H] x [E, H, D]) on bf16 and both FP8 recipes (weight gradient in bf16 or FP8), its forward and both backward GEMMs
     counted (3 x 2 R K N); torchao's column appears only where torchao imports."""
     from moetrain.quant import bench
 
@@ -640,7 +656,9 @@ def test_training_gemm_bench_times_every_path_of_each_expert_gemm(capsys, monkey
     assert peer is None and why.startswith("torchao not available (ModuleNotFoundError")
     rows = bench.training_gemm_rows("tiny", 100, 32, 16, 3, torch.device("cpu"), iters=1)
     assert [(row["gemm"], row["path"]) for row in rows] == [
-        (gemm, path) for gemm in ("gate-up", "down") for path in ("bf16", "moetrain fp8", "moetrain fp8_block")]
+        (gemm, path) for gemm in ("gate-up", "down")
+        for path in ("bf16", "moetrain fp8", "moetrain fp8, fp8 wgrad", "moetrain fp8_block",
+                     "moetrain fp8_block, fp8 wgrad")]
     flops = {"gate-up": 3 * 2 * 96 * 32 * 32, "down": 3 * 2 * 96 * 16 * 32}  # 32 rows an expert, 96 in all
     for row in rows:
         assert row["shape"] == "tiny" and row["tflops"] == pytest.approx(flops[row["gemm"]] / (row["ms"] * 1e-3) / 1e12)

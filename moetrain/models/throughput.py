@@ -26,7 +26,7 @@ from moetrain.models.anatomy import anatomy_table, step_anatomy
 from moetrain.models.lm import MoETransformerLM, flops_per_token, parameter_counts
 from moetrain.models.presets import PRESETS, build_lm
 from moetrain.moe import moe_layers, recompute, update_router_biases
-from moetrain.moe.experts import PRECISIONS
+from moetrain.moe.experts import FP8_WGRADS, PRECISIONS
 
 def model_flops_utilization(tokens_per_second: float, model: MoETransformerLM, seq_len: int, device) -> float | None:
     peak = peak_bf16_flops(device)
@@ -109,8 +109,11 @@ def main(argv=None) -> dict:
                              "with (trainer.precision=bf16); default: bf16 weights and state")
     parser.add_argument("--impl", default="kernel", choices=["kernel", "torch"], help="MoE dispatch path")
     parser.add_argument("--precision", default="bf16", choices=list(PRECISIONS),
-                        help="of the routed experts' GEMMs: fp8 runs every one of forward and backward in FP8 "
-                             "with row-wise scales, fp8_block with DeepSeek-V3's 1x128 / 128x128 block scales")
+                        help="of the routed experts' GEMMs: fp8 runs those of the forward and the input gradient "
+                             "in FP8 with row-wise scales, fp8_block with DeepSeek-V3's 1x128 / 128x128 block scales")
+    parser.add_argument("--fp8-wgrad", default=None, choices=list(FP8_WGRADS),
+                        help="with --precision fp8 | fp8_block: the experts' weight-gradient GEMM (MoELayer.fp8_wgrad; "
+                             "default bf16)")
     parser.add_argument("--compile", action="store_true", help="torch.compile each transformer block and the loss")
     parser.add_argument("--activation-checkpointing", default="none", choices=list(recompute.MODES),
                         help="recompute in the backward: selective (attention and the experts' hidden "
@@ -125,6 +128,9 @@ def main(argv=None) -> dict:
     if args.autocast and (args.dtype != "bfloat16" or args.anatomy):
         parser.error("--autocast keeps fp32 weights and computes in bf16: leave out --dtype float32 and --anatomy "
                      "(which times the bf16-weight step)")
+    if args.fp8_wgrad is not None and args.precision == "bf16":
+        parser.error(f"--fp8-wgrad {args.fp8_wgrad} applies with --precision fp8 or fp8_block only")
+    args.fp8_wgrad = args.fp8_wgrad or "bf16"
     if args.compile and args.activation_checkpointing == "full":
         parser.error("--activation-checkpointing full cannot be compiled (torch.compile does not trace the routing "
                      "replay of recomputed MoE blocks); use selective, or leave out --compile")
@@ -136,6 +142,7 @@ def main(argv=None) -> dict:
     for layer in moe_layers(model):
         layer.gate.float()
         layer.precision = args.precision
+        layer.fp8_wgrad = args.fp8_wgrad
     model.reset_rotary()
     recompute.set_activation_checkpointing(model, args.activation_checkpointing)
     if args.compile:
@@ -144,6 +151,7 @@ def main(argv=None) -> dict:
     loss_fn = torch.compile(next_token_loss) if args.compile else next_token_loss
     result = {"preset": args.preset, "device": str(args.device), "dtype": args.dtype, "impl": args.impl,
               "compile": args.compile, "precision": args.precision,
+              **({"fp8_wgrad": args.fp8_wgrad} if args.precision != "bf16" else {}),
               "activation_checkpointing": args.activation_checkpointing, "autocast": args.autocast,
               "param_dtype": str(model.embed.weight.dtype).removeprefix("torch."),
               **measure(model, args.batch_size, args.seq_len, args.steps, args.warmup, loss_fn=loss_fn,

@@ -26,12 +26,19 @@ from moetrain.ops import packed_bias, swiglu
 from moetrain.ops.grouped import add_expert_bias, expert_matmul, expert_of_rows, padded_matmul, padded_uses_bmm
 
 PRECISIONS = ("bf16", "fp8", "fp8_block")  # how the expert GEMMs multiply (Experts.precision)
+FP8_WGRADS = ("bf16", "fp8")  # the weight gradient's GEMM in FP8 precision (Experts.fp8_wgrad)
 
 
 def check_precision(precision) -> str:
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {list(PRECISIONS)}, got {precision!r}")
     return precision
+
+
+def check_fp8_wgrad(fp8_wgrad) -> str:
+    if fp8_wgrad not in FP8_WGRADS:
+        raise ValueError(f"fp8_wgrad must be one of {list(FP8_WGRADS)}, got {fp8_wgrad!r}")
+    return fp8_wgrad
 
 
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {"relu": F.relu, "gelu": F.gelu, "silu": F.silu}
@@ -76,13 +83,15 @@ class TokenRows:
         """The rows themselves, [num_rows, D] (differentiable in x_TD)."""
         return ops.dispatch(self.x_TD, self.dest_TK, self.num_rows, impl=self.impl)
 
-    def fp8_matmul(self, w_EIO: torch.Tensor, counts_E, capacity: int | None, precision: str) -> torch.Tensor:
-        """Experts.matmul in FP8 `precision` on these rows, each token quantized once."""
+    def fp8_matmul(self, w_EIO: torch.Tensor, counts_E, capacity: int | None, precision: str,
+                   wgrad: str) -> torch.Tensor:
+        """Experts.matmul in FP8 `precision` (weight gradient in `wgrad`) on these rows, each token
+        quantized once."""
         # Imported here: moetrain.quant's package imports this module.
         from moetrain.quant.training import fp8_token_matmul  # noqa: PLC0415
 
         return fp8_token_matmul(self.x_TD, self.dest_TK, self.num_rows, w_EIO, counts_E, capacity, precision,
-                                self.impl)
+                                self.impl, wgrad)
 
 
 class Experts(nn.Module):
@@ -91,12 +100,14 @@ class Experts(nn.Module):
     impl ("kernel" or "torch", set by MoELayer to its own) says whether compiled kernels may be
     used inside the experts (FFNExperts' fused epilogue); "torch" keeps them pure torch.
     precision ("bf16", "fp8" or "fp8_block", set by MoELayer to its own) is how the expert GEMMs
-    multiply: "bf16" in the operands' dtype, "fp8" every GEMM of forward and backward in FP8 with
+    multiply: "bf16" in the operands' dtype, "fp8" the forward and input-gradient GEMMs in FP8 with
     row-wise scales, "fp8_block" the same with DeepSeek-V3's 1x128 / 128x128 block scales
-    (moetrain.quant.training); custom experts call self.matmul to follow it."""
+    (moetrain.quant.training); fp8_wgrad ("bf16" or "fp8", also set by MoELayer) is the weight
+    gradient's GEMM under either FP8 recipe. Custom experts call self.matmul to follow both."""
 
     impl: str = "torch"
     precision: str = "bf16"
+    fp8_wgrad: str = "bf16"
 
     def __init__(self, num_experts: int, model_dim: int, hidden_size: int):
         super().__init__()
@@ -128,11 +139,11 @@ class Experts(nn.Module):
         """expert_matmul in this experts' precision; x_RI: the rows, or TokenRows to gather them from."""
         if self.precision != "bf16":
             if isinstance(x_RI, TokenRows):
-                return x_RI.fp8_matmul(w_EIO, counts_E, capacity, self.precision)
+                return x_RI.fp8_matmul(w_EIO, counts_E, capacity, self.precision, self.fp8_wgrad)
             # Imported here: moetrain.quant's package imports this module.
             from moetrain.quant.training import fp8_expert_matmul  # noqa: PLC0415
 
-            return fp8_expert_matmul(x_RI, w_EIO, counts_E, capacity, self.precision)
+            return fp8_expert_matmul(x_RI, w_EIO, counts_E, capacity, self.precision, self.fp8_wgrad)
         if isinstance(x_RI, TokenRows):
             x_RI = x_RI.gather()
         return expert_matmul(x_RI, w_EIO, counts_E, capacity)

@@ -26,7 +26,8 @@ import torch.distributed as dist
 from moetrain import ops
 from moetrain.moe import losses, recompute
 from moetrain.moe.experts import (
-    DenseFeedForward, FFNExperts, SwiGLUExperts, TokenRows, activation_fn, build_experts, check_precision,
+    DenseFeedForward, FFNExperts, SwiGLUExperts, TokenRows, activation_fn, build_experts, check_fp8_wgrad,
+    check_precision,
 )
 from moetrain.moe.gates import Gate, build_gate
 from moetrain.moe.routing import RoutingPlan, make_plan
@@ -105,6 +106,7 @@ class MoELayer(nn.Module):
         impl: str = "kernel",
         gate_kwargs: dict | None = None,
         precision: str = "bf16",
+        fp8_wgrad: str = "bf16",
     ):
         super().__init__()
         self.model_dim = _positive_int("model_dim", model_dim)
@@ -132,6 +134,7 @@ class MoELayer(nn.Module):
         # Compiled kernels inside the gate and the experts follow the layer's choice.
         self.gate.impl = self.experts.impl = self.impl
         self.precision = precision
+        self.fp8_wgrad = fp8_wgrad
         self.shared = None
         if num_shared_experts:
             kind = "swiglu" if expert == "swiglu" else "ffn"
@@ -151,14 +154,25 @@ class MoELayer(nn.Module):
 
     @property
     def precision(self) -> str:
-        """How the routed experts' GEMMs multiply: "bf16" (in the operands' dtype), "fp8" (every
-        expert GEMM of forward and backward in FP8, row-wise scales) or "fp8_block" (the same with
+        """How the routed experts' GEMMs multiply: "bf16" (in the operands' dtype), "fp8" (the
+        forward and input-gradient GEMMs in FP8, row-wise scales) or "fp8_block" (the same with
         DeepSeek-V3's 1x128 / 128x128 block scales); moetrain.quant.training. Settable."""
         return self.experts.precision
 
     @precision.setter
     def precision(self, precision: str) -> None:
         self.experts.precision = check_precision(precision)
+
+    @property
+    def fp8_wgrad(self) -> str:
+        """In FP8 precision, the weight gradient's GEMM: "bf16" (bf16 operands, as the bf16 layer's:
+        faster than FP8 with its per-expert column quantization on the shapes measured, and exact)
+        or "fp8" (by the precision's recipe, DeepSeek-V3's). Ignored in bf16. Settable."""
+        return self.experts.fp8_wgrad
+
+    @fp8_wgrad.setter
+    def fp8_wgrad(self, fp8_wgrad: str) -> None:
+        self.experts.fp8_wgrad = check_fp8_wgrad(fp8_wgrad)
 
     def _check_top_k(self, top_k) -> int:
         if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= self.num_experts:
@@ -173,7 +187,8 @@ class MoELayer(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"model_dim={self.model_dim}, num_experts={self.num_experts}, top_k={self.top_k}, "
-                f"capacity_factor={self.capacity_factor}, impl={self.impl!r}, precision={self.precision!r}")
+                f"capacity_factor={self.capacity_factor}, impl={self.impl!r}, precision={self.precision!r}"
+                + (f", fp8_wgrad={self.fp8_wgrad!r}" if self.precision != "bf16" else ""))
 
     def forward(self, x: torch.Tensor, top_k: int | None = None, capacity_factor: float | None = None,
                 adaptive_r: int | None = None, a2a_ffn_overlap_degree: int | None = None) -> torch.Tensor:

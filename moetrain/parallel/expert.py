@@ -173,11 +173,12 @@ class ExchangedTokenRows(TokenRows):
     def gather(self) -> torch.Tensor:
         return self.exchange.to_experts(super().gather()[:self.exchange.sent_rows])
 
-    def fp8_matmul(self, w_EIO: torch.Tensor, counts_E, capacity: int | None, precision: str) -> torch.Tensor:
+    def fp8_matmul(self, w_EIO: torch.Tensor, counts_E, capacity: int | None, precision: str,
+                   wgrad: str) -> torch.Tensor:
         from moetrain.quant.training import fp8_exchanged_matmul  # noqa: PLC0415  (moetrain.quant imports moe)
 
         return fp8_exchanged_matmul(self.x_TD, self.dest_TK, self.num_rows, self.exchange, w_EIO, counts_E, precision,
-                                    self.impl)
+                                    self.impl, wgrad)
 
 
 def _mean_gradient_experts(experts, params, x_RD, counts, capacity, world_size, recompute=False):

@@ -323,7 +323,7 @@ def training_gemm_rows(name: str, rows: int, dim: int, hidden: int, experts: int
     forward and both backward GEMMs, on every training path, same values, equal rows per expert
     (multiples of 16, which torchao's FP8 grouped GEMM needs): bf16 (torch._grouped_mm through
     moetrain.ops.grouped.expert_matmul), moetrain's fp8 and fp8_block (moetrain.quant.training, the
-    quantization included), and torchao's FP8 row-wise recipe where it is installed (its weight in
+    quantization included; the weight gradient in bf16, then in FP8 too: "fp8 wgrad"), and torchao's FP8 row-wise recipe where it is installed (its weight in
     the layout it asks for, [E, N, K] read transposed). {shape, gemm, path, ms, tflops}."""
     from moetrain.ops.grouped import expert_matmul  # noqa: PLC0415
     from moetrain.quant import training  # noqa: PLC0415 - Triton kernels, imported when asked for
@@ -344,8 +344,10 @@ def training_gemm_rows(name: str, rows: int, dim: int, hidden: int, experts: int
         paths = {"bf16": (lambda: expert_matmul(x, w_EKN, counts_E, None), w_EKN)}
         for precision in training.FP8_PRECISIONS:
             if training.fp8_supported(device, precision)[0]:
-                paths[f"moetrain {precision}"] = (
-                    lambda precision=precision: training.fp8_expert_matmul(x, w_EKN, counts_E, None, precision), w_EKN)
+                for wgrad, label in (("bf16", ""), ("fp8", ", fp8 wgrad")):
+                    paths[f"moetrain {precision}{label}"] = (
+                        lambda precision=precision, wgrad=wgrad: training.fp8_expert_matmul(
+                            x, w_EKN, counts_E, None, precision, wgrad), w_EKN)
         if peer is not None and device.type == "cuda":
             paths["torchao fp8"] = (lambda: peer(x, w_ENK.transpose(1, 2), ends_E), w_ENK)
         for path, (call, w) in paths.items():
@@ -393,7 +395,7 @@ def main(argv: list[str] | None = None) -> None:
             shape_rows = training_gemm_rows(name, *shape, device, args.iters)
             bf16 = {row["gemm"]: row["ms"] for row in shape_rows if row["path"] == "bf16"}
             for row in shape_rows:
-                print(f"{row['shape']:10s} {row['gemm']:8s} {row['path']:18s} {row['ms']:8.3f} ms "
+                print(f"{row['shape']:10s} {row['gemm']:8s} {row['path']:29s} {row['ms']:8.3f} ms "
                       f"{row['tflops']:6.0f} TFLOP/s {bf16[row['gemm']] / row['ms']:5.2f}x bf16", flush=True)
             rows += shape_rows
         if args.json:

@@ -66,6 +66,7 @@ import contextlib
 import torch
 
 from moetrain import ops
+from moetrain.moe.experts import check_fp8_wgrad
 from moetrain.ops.grouped import expert_matmul, expert_of_rows, group_ends
 from moetrain.quant import kernels
 from moetrain.quant.formats import (
@@ -635,8 +636,26 @@ def _grad_input(precision: str, dy_RN: torch.Tensor, w_EKN: torch.Tensor, counts
     return rows_matmul(dyq_RN, dy_scale, wq_EKN, w_scale_EK, counts_E)
 
 
-def _grad_weight(precision: str, x_RK: torch.Tensor, dy_RN: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
-    """wgrad, dw[e] = x_e^T dy_e -> bf16 [E, K, N]."""
+def bf16_weight_grad(x_RK: torch.Tensor, dy_RN: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
+    """dw[e] = x_e^T dy_e over expert e's rows with both operands rounded to bf16, fp32 sums, bf16
+    out [E, K, N]: the bf16 layer's weight gradient (torch._grouped_mm on CUDA; on the CPU the same
+    rounding, one fp32 matmul per expert). counts_E must sum to R."""
+    x_RK, dy_RN = x_RK.to(torch.bfloat16), dy_RN.to(torch.bfloat16)
+    num_experts, rows = counts_E.numel(), x_RK.size(0)
+    if rows == 0:
+        return torch.zeros(num_experts, x_RK.size(1), dy_RN.size(1), dtype=torch.bfloat16, device=x_RK.device)
+    if x_RK.is_cuda:
+        return torch._grouped_mm(x_RK.t(), dy_RN, offs=group_ends(counts_E, rows, x_RK.device))
+    counts = counts_E.tolist()
+    dw = [x_rK.float().t() @ dy_rN.float() for x_rK, dy_rN in zip(torch.split(x_RK, counts), torch.split(dy_RN, counts))]
+    return torch.stack(dw).to(torch.bfloat16)
+
+
+def _grad_weight(precision: str, x_RK: torch.Tensor, dy_RN: torch.Tensor, counts_E: torch.Tensor,
+                 wgrad: str) -> torch.Tensor:
+    """wgrad, dw[e] = x_e^T dy_e -> bf16 [E, K, N]: in bf16 (wgrad="bf16") or in FP8 by the recipe."""
+    if wgrad == "bf16":
+        return bf16_weight_grad(x_RK, dy_RN, counts_E)
     if precision == "fp8_block":
         xq_KR, x_scale_RbK = quantize_column_tiles(x_RK)
         dyq_NR, dy_scale_RbN = quantize_column_tiles(dy_RN)
@@ -653,10 +672,10 @@ class _FP8ExpertMatmul(torch.autograd.Function):
     for backward: each GEMM quantizes its operands in the layout and scaling it needs."""
 
     @staticmethod
-    def forward(ctx, x_RK, w_EKN, counts_E, precision):
+    def forward(ctx, x_RK, w_EKN, counts_E, precision, wgrad):
         xq_RK, x_scale = _quantize_rows_of(precision, x_RK)
         ctx.save_for_backward(x_RK, w_EKN, counts_E)
-        ctx.precision = precision
+        ctx.precision, ctx.wgrad = precision, wgrad
         return _forward_gemm(precision, xq_RK, x_scale, w_EKN, counts_E).to(x_RK.dtype)
 
     @staticmethod
@@ -667,8 +686,8 @@ class _FP8ExpertMatmul(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             grad_x = _grad_input(ctx.precision, dy_RN, w_EKN, counts_E).to(x_RK.dtype)
         if ctx.needs_input_grad[1]:
-            grad_w = _grad_weight(ctx.precision, x_RK, dy_RN, counts_E).to(w_EKN.dtype)
-        return grad_x, grad_w, None, None
+            grad_w = _grad_weight(ctx.precision, x_RK, dy_RN, counts_E, ctx.wgrad).to(w_EKN.dtype)
+        return grad_x, grad_w, None, None, None
 
 
 def _source_rows(dest_TK: torch.Tensor, num_rows: int) -> torch.Tensor:
@@ -722,10 +741,10 @@ class _FP8TokenMatmul(torch.autograd.Function):
     dispatches the tokens again for the weight gradient instead of keeping the bf16 rows."""
 
     @staticmethod
-    def forward(ctx, x_TK, w_EKN, counts_E, dest_TK, num_rows, precision, impl):
+    def forward(ctx, x_TK, w_EKN, counts_E, dest_TK, num_rows, precision, wgrad, impl):
         xq_RK, x_scale_R = _quantized_copies(precision, x_TK, _source_rows(dest_TK, num_rows))
         ctx.save_for_backward(x_TK, w_EKN, counts_E, dest_TK)
-        ctx.num_rows, ctx.precision, ctx.impl = num_rows, precision, impl
+        ctx.num_rows, ctx.precision, ctx.wgrad, ctx.impl = num_rows, precision, wgrad, impl
         return _forward_gemm(precision, xq_RK, x_scale_R, w_EKN, counts_E).to(x_TK.dtype)
 
     @staticmethod
@@ -738,8 +757,8 @@ class _FP8TokenMatmul(torch.autograd.Function):
                                     ctx.impl)
         if ctx.needs_input_grad[1]:
             x_RK = ops.dispatch(x_TK, dest_TK, ctx.num_rows, impl=ctx.impl)
-            grad_w = _grad_weight(ctx.precision, x_RK, dy_RN, counts_E).to(w_EKN.dtype)
-        return grad_x, grad_w, None, None, None, None, None
+            grad_w = _grad_weight(ctx.precision, x_RK, dy_RN, counts_E, ctx.wgrad).to(w_EKN.dtype)
+        return grad_x, grad_w, None, None, None, None, None, None
 
 
 def _padded_rows(counts_E: torch.Tensor, num_rows: int) -> int:
@@ -752,10 +771,12 @@ def _padded_rows(counts_E: torch.Tensor, num_rows: int) -> int:
     return int(padded_ends(counts_E)[-1]) if counts_E.numel() else 0
 
 
-def _fp8_counts(precision: str, device: torch.device, num_experts: int, rows: int, counts_E, capacity: int | None):
-    """Checks precision and the device; counts_E as int64 on the device, the last expert owning the
-    padding rows (zeros in, unread out)."""
+def _fp8_counts(precision: str, wgrad: str, device: torch.device, num_experts: int, rows: int, counts_E,
+                capacity: int | None):
+    """Checks precision, wgrad and the device; counts_E as int64 on the device, the last expert
+    owning the padding rows (zeros in, unread out)."""
     _check_fp8_precision(precision)
+    check_fp8_wgrad(wgrad)
     ok, why = fp8_supported(device, precision)
     if not ok:
         raise ValueError(f"precision={precision!r} cannot run on {why}; use precision='bf16'")
@@ -773,28 +794,29 @@ def _autocast_input(x: torch.Tensor) -> torch.Tensor:
 
 
 def fp8_expert_matmul(x_RK: torch.Tensor, w_EKN: torch.Tensor, counts_E: torch.Tensor | list[int],
-                      capacity: int | None, precision: str = "fp8") -> torch.Tensor:
-    """y[r] = x[r] @ w[expert_of(r)] with every GEMM of forward and backward in FP8, scaled by the
-    recipe `precision` ("fp8": row-wise, "fp8_block": DeepSeek-V3's blocks; module docstring); the
-    same layouts and arguments as moetrain.ops.grouped.expert_matmul."""
-    counts_E = _fp8_counts(precision, x_RK.device, w_EKN.size(0), x_RK.size(0), counts_E, capacity)
+                      capacity: int | None, precision: str = "fp8", wgrad: str = "bf16") -> torch.Tensor:
+    """y[r] = x[r] @ w[expert_of(r)] with the forward and dgrad GEMMs in FP8, scaled by the recipe
+    `precision` ("fp8": row-wise, "fp8_block": DeepSeek-V3's blocks; module docstring), and the
+    weight gradient's GEMM in bf16 (wgrad="bf16") or FP8 by the same recipe (wgrad="fp8"); the same
+    layouts and arguments as moetrain.ops.grouped.expert_matmul."""
+    counts_E = _fp8_counts(precision, wgrad, x_RK.device, w_EKN.size(0), x_RK.size(0), counts_E, capacity)
     x_RK = _autocast_input(x_RK)
     with torch.autocast(x_RK.device.type, enabled=False):
-        return _FP8ExpertMatmul.apply(x_RK, w_EKN, counts_E, precision)
+        return _FP8ExpertMatmul.apply(x_RK, w_EKN, counts_E, precision, wgrad)
 
 
 def fp8_token_matmul(x_TK: torch.Tensor, dest_TK: torch.Tensor, num_rows: int, w_EKN: torch.Tensor,
                      counts_E: torch.Tensor | list[int], capacity: int | None, precision: str = "fp8",
-                     impl: str = "kernel") -> torch.Tensor:
+                     impl: str = "kernel", wgrad: str = "bf16") -> torch.Tensor:
     """fp8_expert_matmul of the expert-major rows that dispatch (moetrain.ops.dispatch(x_TK,
     dest_TK, num_rows, impl)) would make, without making them: each token is quantized once and
     its FP8 rows gathered (_FP8TokenMatmul). The same result and gradients bit for bit; the input
     gradient is in token order, [T, K]."""
-    counts_E = _fp8_counts(precision, x_TK.device, w_EKN.size(0), num_rows, counts_E, capacity)
+    counts_E = _fp8_counts(precision, wgrad, x_TK.device, w_EKN.size(0), num_rows, counts_E, capacity)
     x_TK = _autocast_input(x_TK)
     with torch.autocast(x_TK.device.type, enabled=False):
         return _FP8TokenMatmul.apply(x_TK.contiguous(), w_EKN, counts_E, dest_TK.contiguous(), num_rows, precision,
-                                     impl)
+                                     wgrad, impl)
 
 
 def dequantize_rows_of(precision: str, xq_RK: torch.Tensor, x_scale: torch.Tensor) -> torch.Tensor:
@@ -851,12 +873,13 @@ class _FP8ExchangedMatmul(torch.autograd.Function):
     numerical difference from one process."""
 
     @staticmethod
-    def forward(ctx, x_TK, w_EKN, counts_E, dest_TK, num_rows, precision, impl, exchange):
+    def forward(ctx, x_TK, w_EKN, counts_E, dest_TK, num_rows, precision, wgrad, impl, exchange):
         source_S = _source_rows(dest_TK, num_rows)[:exchange.sent_rows]
         packed_SB = _pack_rows(*_quantized_copies(precision, x_TK, source_S))
         xq_RK, x_scale_R = _unpack_rows(exchange.to_experts(packed_SB), x_TK.size(1), precision)
         ctx.save_for_backward(xq_RK, x_scale_R, w_EKN, counts_E, dest_TK)
-        ctx.num_rows, ctx.precision, ctx.impl, ctx.exchange, ctx.dtype = num_rows, precision, impl, exchange, x_TK.dtype
+        ctx.num_rows, ctx.precision, ctx.wgrad, ctx.impl = num_rows, precision, wgrad, impl
+        ctx.exchange, ctx.dtype = exchange, x_TK.dtype
         return _forward_gemm(precision, xq_RK, x_scale_R, w_EKN, counts_E).to(x_TK.dtype)
 
     @staticmethod
@@ -870,21 +893,21 @@ class _FP8ExchangedMatmul(torch.autograd.Function):
             grad_x = ops.sum_copies(torch.cat([dx_SK, unsent]), dest_TK, ctx.impl)
         if ctx.needs_input_grad[1]:
             x_RK = dequantize_rows_of(ctx.precision, xq_RK, x_scale_R).to(ctx.dtype)
-            grad_w = _grad_weight(ctx.precision, x_RK, dy_RN, counts_E).to(w_EKN.dtype)
-        return grad_x, grad_w, None, None, None, None, None, None
+            grad_w = _grad_weight(ctx.precision, x_RK, dy_RN, counts_E, ctx.wgrad).to(w_EKN.dtype)
+        return grad_x, grad_w, None, None, None, None, None, None, None
 
 
 def fp8_exchanged_matmul(x_TK: torch.Tensor, dest_TK: torch.Tensor, num_rows: int, exchange, w_EKN: torch.Tensor,
                          counts_E: torch.Tensor | list[int], precision: str = "fp8",
-                         impl: str = "kernel") -> torch.Tensor:
+                         impl: str = "kernel", wgrad: str = "bf16") -> torch.Tensor:
     """fp8_token_matmul whose rows live on other ranks (_FP8ExchangedMatmul). This rank's rows are
     the first exchange.sent_rows of the expert-major rows dispatch(x_TK, dest_TK, num_rows) would
     make; `exchange` moves rows between the ranks: exchange.to_experts(rows [sent_rows, B]) ->
     [exchange.received_rows, B], the rows of this rank's experts (w_EKN, counts_E: packed, in
     expert order), and exchange.to_tokens, the way back. Returns those rows' products; the input
     gradient is in token order, [T, K]."""
-    counts_E = _fp8_counts(precision, x_TK.device, w_EKN.size(0), exchange.received_rows, counts_E, None)
+    counts_E = _fp8_counts(precision, wgrad, x_TK.device, w_EKN.size(0), exchange.received_rows, counts_E, None)
     x_TK = _autocast_input(x_TK)
     with torch.autocast(x_TK.device.type, enabled=False):
         return _FP8ExchangedMatmul.apply(x_TK.contiguous(), w_EKN, counts_E, dest_TK.contiguous(), num_rows,
-                                         precision, impl, exchange)
+                                         precision, wgrad, impl, exchange)

@@ -34,7 +34,9 @@ from torch import nn
 from torch.utils.data import DataLoader
 from tqdm import tqdm
 
-from moetrain.config import Device, LoggerConfig, NonFinite, OptimConfig, Precision, SettingError, TrainerConfig
+from moetrain.config import (
+    Device, FP8Wgrad, LoggerConfig, NonFinite, OptimConfig, Precision, SettingError, TrainerConfig,
+)
 from moetrain.data import DataModule
 from moetrain.moe import MoELayer, moe_layers, update_router_biases
 from moetrain.moe.recompute import set_activation_checkpointing
@@ -122,6 +124,11 @@ class Trainer:
                                    f"CPU, not {why}; use TrainerConfig.precision='bf16'")
             for layer in moe_layers(model):
                 layer.precision = trainer.precision.value
+                layer.fp8_wgrad = (trainer.fp8_wgrad or FP8Wgrad.bf16).value
+        elif trainer.fp8_wgrad is not None:
+            raise SettingError(f"TrainerConfig.fp8_wgrad={trainer.fp8_wgrad.value!r} applies only with precision fp8 "
+                               f"or fp8_block, not with TrainerConfig.precision={trainer.precision.value!r}; leave "
+                               "fp8_wgrad null or set an FP8 precision")
         self.autocast = (
             (lambda: torch.autocast(self.device.type, dtype=torch.bfloat16)) if bf16 else nullcontext
         )
