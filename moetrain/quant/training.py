@@ -1,8 +1,12 @@
 """FP8 training of the expert GEMMs: MoELayer(precision="fp8" | "fp8_block"), trainer.precision=fp8 | fp8_block.
 
-Every expert GEMM of the step, forward and both backward GEMMs, multiplies E4M3 operands with fp32
-scales and fp32 accumulation; the master weights keep their dtype (fp32 under autocast) and are
-quantized afresh at every step. Two scaling recipes (R rows, K input features, N output features):
+The expert GEMMs of the forward and of the input gradient (dgrad) multiply E4M3 operands with fp32
+scales and fp32 accumulation; the weight gradient's (wgrad) multiplies bf16 operands, as the bf16
+layer's does (wgrad="bf16", MoELayer.fp8_wgrad's default), or E4M3 ones by the same recipe
+(wgrad="fp8", DeepSeek-V3's way). bf16 is the default because FP8's wgrad needs each expert's
+columns of x and dy quantized, and on an H200 those passes cost more than its FP8 GEMM saves
+(docs/performance.md). The master weights keep their dtype (fp32 under autocast) and are quantized
+afresh at every step. Two scaling recipes (R rows, K input features, N output features):
 
 "fp8", row-wise: scales run along the whole reduction dimension of each GEMM, so a scale can be
 taken out of the sum:
@@ -11,7 +15,7 @@ taken out of the sum:
   forward  y_RN  = x_RK w_KN    row of x (token), over K          column n of w, over K
   dgrad    dx_RK = dy_RN w_KN^T row of dy (token), over N         row k of w, over N
   wgrad    dw_KN = x_RK^T dy_RN column k of x, over its expert's  column n of dy, over its expert's
-                                rows                              rows
+           (wgrad="fp8")        rows                              rows
 
 "fp8_block", DeepSeek-V3's fine-grained recipe (the inference format fp8_block's arithmetic,
 moetrain.quant.formats): scales per 128 elements of the reduction dimension, so one outlier costs
@@ -21,7 +25,7 @@ sums by its two scales before accumulating:
   GEMM     first operand scaled per                 second operand scaled per
   forward  x: 1x128 tile along K, [R, K/128]        w: 128x128 block, [E, K/128, N/128]
   dgrad    dy: 1x128 tile along N, [R, N/128]       w: the same 128x128 blocks, read transposed
-  wgrad    x: 128x1 tile, [R/128, K]                dy: 128x1 tile, [R/128, N]
+  wgrad    x: 128x1 tile, [R/128, K]                dy: 128x1 tile, [R/128, N]   (wgrad="fp8")
 
 (sizes rounded up). The wgrad tiles are global blocks of 128 packed rows (rows 128i..128i+127); a
 block that straddles two experts shares its scale between them, which keeps the quantization one
@@ -53,7 +57,8 @@ same operands bit for bit, since a token's copies quantize alike. The bf16 rows 
 backward: the weight gradient dispatches the tokens again, and the input gradient is summed over
 each token's copies (dispatch's backward). Under expert parallelism the E4M3 rows travel to the
 experts' ranks (fp8_exchanged_matmul, the dropless layout at r = 1): there the weight gradient is
-taken from the received rows, dequantized (DeepSeek-V3's double quantization).
+taken from the received rows, dequantized (and with wgrad="fp8" quantized again per column:
+DeepSeek-V3's double quantization).
 
 Shape letters: R rows (expert-major, packed or padded), K input features, N output features,
 E experts, P rows padded per expert to multiples of ALIGN; Kb, Nb, Rb those dims in 128-blocks.
@@ -868,9 +873,9 @@ class _FP8ExchangedMatmul(torch.autograd.Function):
     exchange: K + 4 bytes a row ("fp8"; K + 4 K/128 for "fp8_block") against 2 K for bf16. The
     forward GEMM multiplies them as received: the same operands, bit for bit, as in one process.
     Backward: the input gradient (bf16) travels back and is summed over each token's copies. The
-    weight gradient is taken from the received rows, dequantized and quantized again per column
-    (DeepSeek-V3's double quantization), since the bf16 rows never reach the expert's rank: the one
-    numerical difference from one process."""
+    weight gradient is taken from the received rows, dequantized (wgrad="fp8": and quantized again
+    per column, DeepSeek-V3's double quantization), since the bf16 rows never reach the expert's
+    rank: the one numerical difference from one process."""
 
     @staticmethod
     def forward(ctx, x_TK, w_EKN, counts_E, dest_TK, num_rows, precision, wgrad, impl, exchange):
