@@ -210,7 +210,8 @@ MUTANTS = [
            ("tests/test_fp8_exchange.py",), "the expert's rank takes the weight gradient from E4M3 values without "
            "their scales"),
     Mutant("fp8_wgrad_setting_swapped", "moetrain/quant/training.py",
-           '    if wgrad == "bf16":\n        return bf16_weight_grad(', '    if wgrad != "bf16":\n        return bf16_weight_grad(',
+           '    if wgrad == "bf16":\n        return bf16_weight_grad(',
+           '    if wgrad != "bf16":\n        return bf16_weight_grad(',
            ("tests/test_fp8_training.py",), "fp8_wgrad='bf16' takes the weight gradient in FP8, and 'fp8' in bf16"),
     Mutant("trainer_drops_fp8_wgrad", "moetrain/train/trainer.py",
            "layer.fp8_wgrad = (trainer.fp8_wgrad or FP8Wgrad.bf16).value", 'layer.fp8_wgrad = "bf16"',

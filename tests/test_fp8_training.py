@@ -647,8 +647,9 @@ def test_trainer_precision_fp8_block_runs_every_expert_gemm_in_fp8_block(fp8_wgr
 
 def test_training_gemm_bench_times_every_path_of_each_expert_gemm(capsys, monkeypatch):
     """python -m moetrain.quant.bench --training-gemms: each expert GEMM (gate-up [R, D] x [E, D, 2H],
-    down [R, H] x [E, H, D]) on bf16 and both FP8 recipes (weight gradient in bf16 or FP8), its forward and both backward GEMMs
-    counted (3 x 2 R K N); torchao's column appears only where torchao imports."""
+    down [R, H] x [E, H, D]) on bf16 and both FP8 recipes (weight gradient in bf16 or FP8), its
+    forward and both backward GEMMs counted (3 x 2 R K N); torchao's column appears only where
+    torchao imports."""
     from moetrain.quant import bench
 
     monkeypatch.setitem(sys.modules, "torchao", None)  # as where it is not installed

@@ -165,9 +165,10 @@ class MoELayer(nn.Module):
 
     @property
     def fp8_wgrad(self) -> str:
-        """In FP8 precision, the weight gradient's GEMM: "bf16" (bf16 operands, as the bf16 layer's:
-        faster than FP8 with its per-expert column quantization on the shapes measured, and exact)
-        or "fp8" (by the precision's recipe, DeepSeek-V3's). Ignored in bf16. Settable."""
+        """In FP8 precision, the weight gradient's GEMM: "bf16" (bf16 operands, the bf16 layer's
+        arithmetic; on the shapes measured faster than FP8 with its per-expert column
+        quantization) or "fp8" (by the precision's recipe, DeepSeek-V3's). Ignored in bf16.
+        Settable."""
         return self.experts.fp8_wgrad
 
     @fp8_wgrad.setter

@@ -323,8 +323,9 @@ def training_gemm_rows(name: str, rows: int, dim: int, hidden: int, experts: int
     forward and both backward GEMMs, on every training path, same values, equal rows per expert
     (multiples of 16, which torchao's FP8 grouped GEMM needs): bf16 (torch._grouped_mm through
     moetrain.ops.grouped.expert_matmul), moetrain's fp8 and fp8_block (moetrain.quant.training, the
-    quantization included; the weight gradient in bf16, then in FP8 too: "fp8 wgrad"), and torchao's FP8 row-wise recipe where it is installed (its weight in
-    the layout it asks for, [E, N, K] read transposed). {shape, gemm, path, ms, tflops}."""
+    quantization included; the weight gradient in bf16, then in FP8 too: "fp8 wgrad"), and
+    torchao's FP8 row-wise recipe where it is installed (its weight in the layout it asks for,
+    [E, N, K] read transposed). {shape, gemm, path, ms, tflops}."""
     from moetrain.ops.grouped import expert_matmul  # noqa: PLC0415
     from moetrain.quant import training  # noqa: PLC0415 - Triton kernels, imported when asked for
 
