@@ -202,8 +202,8 @@ MUTANTS = [
     Mutant("fp8_token_padding_not_zero", "moetrain/quant/training.py",
            "return _gather_rows(xq_TK, source_R, 0.0),", "return _gather_rows(xq_TK, source_R, 56.0),",
            ("tests/test_fp8_training.py",),
-           "FP8 rows no token fills hold 1.0 (byte 56), not zero: their outputs are never read, but the next "
-           "GEMM's per-expert column scales see them"),
+           "FP8 rows no token fills hold 1.0 (byte 56), not zero: their outputs are never read, but with "
+           "fp8_wgrad='fp8' the next GEMM's per-expert column scales see them"),
     Mutant("fp8_exchange_weight_gradient_from_undequantized_rows", "moetrain/quant/training.py",
            "x_RK = dequantize_rows_of(ctx.precision, xq_RK, x_scale_R).to(ctx.dtype)",
            "x_RK = xq_RK.float().to(ctx.dtype)",

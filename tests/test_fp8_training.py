@@ -453,14 +453,18 @@ def test_layer_gradients_stay_within_the_fp8_bound_of_full_precision(device, pre
 @pytest.mark.parametrize("precision", ["fp8", "fp8_block"])
 @pytest.mark.parametrize("expert,capacity_factor", [("swiglu", 0.0), ("ffn", 1.0), ("swiglu", -0.5)])
 @pytest.mark.parametrize("impl", ["kernel", "torch"])
+@pytest.mark.parametrize("fp8_wgrad", ["bf16", "fp8"])
 def test_tokens_quantized_once_give_the_dispatched_rows_result(device, precision, expert, capacity_factor, impl,
-                                                                monkeypatch):
+                                                                fp8_wgrad, monkeypatch):
     """In FP8 the layer's first expert GEMM quantizes each token once and gathers its FP8 rows
     (TokenRows) instead of quantizing each dispatched copy. Its output and every gradient are the
     same bit for bit as with the dispatched rows, in the packed layout, the padded one (rows no
-    token fills) and the capped one (dropped choices), with moetrain's kernels and in pure torch."""
+    token fills) and the capped one (dropped choices), with moetrain's kernels and in pure torch,
+    with the weight gradient in bf16 or in FP8 (where rows no token fills reach the next GEMM's
+    per-expert column scales)."""
     _skip_unless_supported(device, precision)
     _, layer = _layer_pair(device, expert, capacity_factor, seed=7, precision=precision)
+    layer.fp8_wgrad = fp8_wgrad
     layer.impl = layer.gate.impl = layer.experts.impl = impl  # as MoELayer(impl=impl) sets them
     x = torch.randn(3, 41, 64, device=device)
     probe = torch.randn(3, 41, 64, device=device)
