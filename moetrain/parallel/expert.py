@@ -38,7 +38,8 @@ built-in experts hands run_experts the tokens (moetrain.moe.experts.TokenRows) i
 buffer: each token is quantized once on its own rank and its E4M3 rows travel with their scales,
 packed as bytes (ExchangedTokenRows; moetrain.quant.training.fp8_exchanged_matmul), about half the
 bytes of bf16 rows. The input gradient returns in bf16; the weight gradient is taken from the
-received FP8 rows (DeepSeek-V3's double quantization).
+received FP8 rows, dequantized (with fp8_wgrad="fp8" quantized again: DeepSeek-V3's double
+quantization).
 
 Shape letters: E experts, V virtual experts (E*r), C capacity, D model dim, G ranks of the
 expert-parallel group, R buffer rows.
