@@ -65,6 +65,11 @@ class FP8Wgrad(Enum):
     fp8 = "fp8"  # in FP8 too, by the precision's recipe (DeepSeek-V3's)
 
 
+class ParamDtype(Enum):
+    float32 = "float32"  # fp32 parameters; under bf16 autocast each weight is cast to bf16 where it is used
+    bfloat16 = "bfloat16"  # bf16 parameters (routers stay fp32); AdamW keeps fp32 master copies and moments
+
+
 class NonFinite(Enum):
     stop = "stop"  # stop the run, naming the step
     skip = "skip"  # drop that step's update and go on
@@ -157,6 +162,9 @@ class TrainerConfig:
     on_nonfinite: NonFinite = NonFinite.stop
     device: Device = Device.auto
     precision: Precision = Precision.auto
+    # The parameters' dtype: float32, or bfloat16 with fp32 master weights kept by the optimizer
+    # (the bf16 weights are the fp32 masters rounded after each update; needs optim=adamw).
+    param_dtype: ParamDtype = ParamDtype.float32
     fp8_wgrad: Optional[FP8Wgrad] = None  # precision fp8 | fp8_block: the weight gradient's GEMM; null = bf16
     progress_bar: bool = True
     # torch.compile the model before training: faster steps on GPUs; on a CPU it works but the
@@ -164,6 +172,9 @@ class TrainerConfig:
     compile: bool = False
     activation_checkpointing: ActivationCheckpointing = ActivationCheckpointing.none
     async_checkpoint: bool = False  # multi-process: write sharded checkpoints while training goes on
+    # Profile steps profile_at .. profile_at + 2 and write where their time goes (anatomy.md in the
+    # run directory: GPU milliseconds per part of the step, and idle time); 0 = never.
+    profile_at: int = 0
 
 
 @dataclass
@@ -281,8 +292,15 @@ def validate(cfg: Config, quant_formats: Sequence[str]) -> None:
     _require(0 <= optim.min_lr_ratio <= 1, f"optim.min_lr_ratio must be in [0, 1], got {optim.min_lr_ratio}")
     for key in ("max_steps", "grad_accum_steps"):
         _require(getattr(trainer, key) >= 1, f"trainer.{key} must be >= 1, got {getattr(trainer, key)}")
-    for key in ("eval_every", "eval_batches", "checkpoint_every", "keep_checkpoints"):
+    for key in ("eval_every", "eval_batches", "checkpoint_every", "keep_checkpoints", "profile_at"):
         _require(getattr(trainer, key) >= 0, f"trainer.{key} must be >= 0, got {getattr(trainer, key)}")
+    _require(trainer.param_dtype == ParamDtype.float32 or optim.name == OptimizerName.adamw,
+             f"trainer.param_dtype=bfloat16 keeps fp32 master weights in AdamW: set optim=adamw, or "
+             f"trainer.param_dtype=float32 for optim={optim.name.value}")
+    _require(trainer.param_dtype == ParamDtype.float32 or trainer.precision in (Precision.auto, Precision.bf16,
+                                                                                  Precision.fp8, Precision.fp8_block),
+             "trainer.param_dtype=bfloat16 computes in bf16: use trainer.precision=bf16|fp8|fp8_block|auto, or "
+             "trainer.param_dtype=float32 with trainer.precision=fp32")
     _require(trainer.grad_clip >= 0, f"trainer.grad_clip must be >= 0 (0 = off), got {trainer.grad_clip}")
     _require(cfg.logger.log_every >= 1, f"logger.log_every must be >= 1, got {cfg.logger.log_every}")
     _validate_quant(cfg, quant_formats)

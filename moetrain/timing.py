@@ -127,3 +127,107 @@ def profile_table(step: Callable[[], None], device: torch.device, rows: int = 40
     torch.cuda.set_sync_debug_mode("default")
     syncs = sorted({f"{w.filename}:{w.lineno}" for w in caught if "synchroniz" in str(w.message)})
     return table + "\nhost syncs in one step: " + (", ".join(syncs) or "none")
+
+
+# ---- the anatomy of a profiled training step, by part ------------------------------------------
+# Each GPU kernel is put in one part of a language-model step by its name (and, for dense GEMMs, by
+# the shapes of the operator that launched it). The rules are checked in order; the first match wins.
+STEP_PARTS = ("embedding", "attention projections", "attention core", "router", "dispatch/combine",
+              "expert GEMMs", "SwiGLU", "LM head + loss", "norms/rotary/residual", "optimizer",
+              "copies and fills", "other kernels")
+_NAME_RULES = (
+    ("optimizer", ("adam", "lpnorm", "sgd")),
+    ("attention core", ("flash", "fmha", "sdpa", "attention", "attn")),
+    ("router", ("router",)),
+    ("SwiGLU", ("swiglu",)),
+    ("expert GEMMs", ("grouped", "groupproblemshape")),
+    ("dispatch/combine", ("route_", "invert_plan", "dispatch", "combine", "scatter", "index_add", "gather",
+                          "sort", "histc", "bincount", "cumsum")),
+    ("LM head + loss", ("log_softmax", "nll_loss", "cross_entropy", "logsumexp")),
+    ("embedding", ("embedding",)),
+    ("copies and fills", ("memcpy", "memset", "copy_kernel", "fill_kernel")),
+)
+_GEMM_MARKS = ("gemm", "nvjet", "xmma", "cutlass", "matmul", "cublas")
+_NORM_MARKS = ("rsqrt", "mean", "pow", "sin", "cos", "add", "mul", "silu", "neg", "cat", "_to_copy")
+
+
+def _is_head_gemm(op_shapes: list, vocab_size: int | None, tokens: int | None) -> bool:
+    """Whether a dense GEMM launched with these operand shapes is the LM head's: its (M, K, N) hold
+    the vocabulary size once more than the token count explains (tokens may equal the vocabulary
+    size: then a projection's weight gradient has it once, and every head GEMM twice)."""
+    matrices = [shape for shape in op_shapes if shape is not None and len(shape) == 2]
+    if not vocab_size or len(matrices) < 2:
+        return False
+    (m, k), (_, n) = matrices[-2], matrices[-1]
+    return [m, k, n].count(vocab_size) > (1 if tokens == vocab_size else 0)
+
+
+def kernel_part(name: str, op_shapes: list | None = None, vocab_size: int | None = None,
+                tokens: int | None = None) -> str:
+    """The step part of one kernel (STEP_PARTS), from its name and, for a dense GEMM, the operand
+    shapes of the operator that launched it (the LM head's GEMMs have the vocabulary size in them)."""
+    lowered = name.lower()
+    for part, marks in _NAME_RULES:
+        if any(mark in lowered for mark in marks):
+            return part
+    if any(mark in lowered for mark in _GEMM_MARKS):
+        return "LM head + loss" if _is_head_gemm(op_shapes or [], vocab_size, tokens) else "attention projections"
+    if lowered.startswith("triton") and any(mark in lowered for mark in _NORM_MARKS):
+        return "norms/rotary/residual"
+    return "other kernels"
+
+
+def profiled_kernels(profiler) -> list[tuple[str, float, list]]:
+    """(kernel name, GPU microseconds, operand shapes of the operator that launched it) for the kernels
+    a finished torch.profiler run recorded on the GPU. Each kernel name's time is the GPU's own total
+    for it, shared out over the operators that launched it (record_shapes=True gives their shapes);
+    kernels launched outside an operator (Triton kernels called from Python) come without shapes."""
+    events = profiler.events()
+    device_us: dict[str, float] = {}
+    for event in events:
+        if event.device_type == torch.autograd.DeviceType.CUDA and not getattr(event, "is_user_annotation", False):
+            device_us[event.name] = device_us.get(event.name, 0.0) + event.device_time_total
+    launches: dict[str, list[tuple[float, list]]] = {}
+    for event in events:
+        for kernel in getattr(event, "kernels", []):
+            launches.setdefault(kernel.name, []).append((kernel.duration, list(event.input_shapes or [])))
+    kernels = []
+    for name, us in device_us.items():
+        linked = launches.get(name, [])
+        linked_us = sum(duration for duration, _ in linked)
+        if linked_us <= 0:
+            kernels.append((name, us, []))
+        else:
+            kernels += [(name, us * duration / linked_us, shapes) for duration, shapes in linked]
+    return kernels
+
+
+def step_anatomy(kernels: list[tuple[str, float, list]], steps: int, wall_ms: float,
+                 vocab_size: int | None = None, tokens: int | None = None) -> dict:
+    """Milliseconds per step of each part (STEP_PARTS, plus "idle": the step's wall time minus the GPU's
+    busy time) from profiled_kernels over `steps` steps, and the costliest kernels of "other kernels";
+    tokens: per micro-batch, which tells the LM head's GEMMs from the others."""
+    parts = dict.fromkeys(STEP_PARTS, 0.0)
+    unplaced: dict[str, float] = {}
+    for name, us, shapes in kernels:
+        part = kernel_part(name, shapes, vocab_size, tokens)
+        parts[part] += us / 1e3 / steps
+        if part == "other kernels":
+            unplaced[name] = unplaced.get(name, 0.0) + us / 1e3 / steps
+    busy = sum(parts.values())
+    parts["idle"] = max(0.0, wall_ms - busy)
+    return {"step_ms": wall_ms, "busy_ms": busy, "parts_ms": parts,
+            "other_kernels": sorted(unplaced.items(), key=lambda item: -item[1])[:8]}
+
+
+def anatomy_markdown(anatomy: dict) -> str:
+    """step_anatomy's result as a Markdown table: part, ms per step, share of the step."""
+    step = anatomy["step_ms"]
+    lines = ["| part | ms a step | share |", "|---|---:|---:|"]
+    lines += [f"| {part} | {ms:.1f} | {ms / step:.1%} |" for part, ms in anatomy["parts_ms"].items() if ms > 0.05]
+    lines.append(f"| **step** (GPU busy {anatomy['busy_ms']:.1f}) | **{step:.1f}** | 100% |")
+    if anatomy["other_kernels"]:
+        lines.append("")
+        lines.append("Costliest kernels in 'other kernels': " + "; ".join(
+            f"{name[:80]} {ms:.2f} ms" for name, ms in anatomy["other_kernels"]))
+    return "\n".join(lines)

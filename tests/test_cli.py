@@ -116,6 +116,10 @@ ERRORS = [
     (["trainer.fp8_wgrad=fp16"], "expected one of [bf16, fp8]"),
     (["trainer.fp8_wgrad=fp8"], "trainer.fp8_wgrad=fp8 applies only with precision fp8 or fp8_block, not with "
                                 "trainer.precision=auto"),
+    (["trainer.param_dtype=float16"], "expected one of [float32, bfloat16]"),
+    (["trainer.param_dtype=bfloat16", "optim=sgd"], "trainer.param_dtype=bfloat16 keeps fp32 master weights in AdamW"),
+    (["trainer.param_dtype=bfloat16", "trainer.precision=fp32"], "trainer.param_dtype=bfloat16 computes in bf16"),
+    (["trainer.profile_at=-1"], "trainer.profile_at must be >= 0"),
     (["gate.top_k=9"], "gate.top_k=9 exceeds model.num_experts=4"),
     (["-m", "gate.top_k=1,9"], "gate.top_k=9 exceeds model.num_experts=4"),
     (["+model.dimm=3"], "did you mean dim?"),

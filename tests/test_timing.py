@@ -1,10 +1,11 @@
 """The shared step timer (moetrain.timing) on the CPU: every call is made, warm-up calls are not
-timed, and a step's time is at least the time it sleeps."""
+timed, and a step's time is at least the time it sleeps; the step anatomy places kernels in parts."""
 
 import time
 
 import pytest
 
+from moetrain import timing
 from moetrain.timing import median_ms, step_times_ms
 
 
@@ -42,3 +43,51 @@ def test_kernel_table_divides_by_the_steps_and_sorts_by_time():
         assert float(share.rstrip("%")) == pytest.approx(100 * us / 1e3 / steps / busy_ms, abs=0.05)
     rest = sum(us for _, us, _ in expected[5:]) / 1e3 / steps
     assert lines[7].split()[0] == f"{rest:.3f}" and lines[7].endswith("the other 7 kernels")
+
+
+# ---- the step anatomy's kernel parts ---------------------------------------------------------------
+VOCAB = 32768
+
+
+@pytest.mark.parametrize("tokens", [VOCAB, 4096])  # the token count may equal the vocabulary size
+def test_dense_gemms_are_told_apart_by_their_shapes(tokens):
+    D, out = 2048, 512
+    head = [[[tokens, D], [D, VOCAB]], [[tokens, VOCAB], [VOCAB, D]], [[VOCAB, tokens], [tokens, D]]]
+    projections = [[[tokens, D], [D, out]], [[tokens, out], [out, D]], [[out, tokens], [tokens, D]],
+                   [[tokens, D], [D, D]]]
+    for shapes in head:
+        assert timing.kernel_part("nvjet_tst_128x256_64x4_1x2_h_bz_coopA_NNT", shapes, VOCAB, tokens) == "LM head + loss"
+    for shapes in projections:
+        assert timing.kernel_part("sm90_xmma_gemm_bf16bf16", shapes, VOCAB, tokens) == "attention projections"
+
+
+def test_kernels_are_placed_by_name():
+    named = {
+        "_adamw_master_kernel": "optimizer",
+        "void multi_tensor_apply_kernel<FusedAdamMathFunctor>": "optimizer",
+        "cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma": "attention core",
+        "_router_kernel": "router", "router_grad_w_kernel": "router",
+        "_swiglu_backward_kernel": "SwiGLU",
+        "cutlass::device_kernel<GemmUniversal<GroupProblemShape<...>>>": "expert GEMMs",
+        "dispatch_kernel": "dispatch/combine", "combine_backward_kernel": "dispatch/combine",
+        "triton_red_fused__log_softmax_nll_loss_forward_3": "LM head + loss",
+        "triton_per_fused__fused_rms_norm_add_mul_2": "norms/rotary/residual",
+        "Memset (Device)": "copies and fills",
+        "some_kernel_nobody_knows": "other kernels",
+    }
+    assert {name: timing.kernel_part(name) for name in named} == named
+
+
+def test_the_anatomy_adds_up_to_the_step():
+    # (name, microseconds over 2 steps, shapes): 10 ms of expert GEMMs, 4 of attention, 2 unknown a step
+    kernels = [("cutlass_GroupProblemShape", 20_000.0, []), ("flash_fwd", 6_000.0, []), ("flash_bwd", 2_000.0, []),
+               ("mystery", 4_000.0, [])]
+    anatomy = timing.step_anatomy(kernels, steps=2, wall_ms=20.0)
+    parts = anatomy["parts_ms"]
+    assert parts["expert GEMMs"] == pytest.approx(10.0) and parts["attention core"] == pytest.approx(4.0)
+    assert parts["other kernels"] == pytest.approx(2.0) and parts["idle"] == pytest.approx(4.0)
+    assert anatomy["busy_ms"] == pytest.approx(16.0)
+    assert sum(parts.values()) == pytest.approx(20.0)
+    assert anatomy["other_kernels"] == [("mystery", pytest.approx(2.0))]
+    table = timing.anatomy_markdown(anatomy)
+    assert "| expert GEMMs | 10.0 | 50.0% |" in table and "| idle | 4.0 | 20.0% |" in table

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 from moetrain.moe.experts import EXPERTS, DenseFeedForward, Experts, FFNExperts, SwiGLUExperts, is_expert_param
@@ -15,12 +16,22 @@ from moetrain.moe.top_gate import TopKGate
 __all__ = [
     "EXPERTS", "GATES", "CosineGate", "DenseFeedForward", "Experts", "FFNExperts", "Gate", "GateOutput", "MoELayer", "RoutingPlan",
     "RoutingStats", "SigmoidGate", "SwiGLUExperts", "TopKGate", "is_expert_param", "make_plan",
-    "moe_layers", "register_gate", "update_router_biases",
+    "moe_layers", "register_gate", "set_parameter_dtype", "update_router_biases",
 ]
 
 
 def moe_layers(model: nn.Module) -> list[MoELayer]:
     return [module for module in model.modules() if isinstance(module, MoELayer)]
+
+
+def set_parameter_dtype(model: nn.Module, dtype: torch.dtype) -> None:
+    """Cast every floating-point parameter of `model` to dtype in place, except the MoE routers', which
+    stay fp32 (routing decisions are taken in fp32 in every preset). Buffers (rotary tables, router
+    biases, statistics) keep their dtype; tied parameters stay tied."""
+    routers = {id(p) for layer in moe_layers(model) for p in layer.gate.parameters()}
+    for parameter in model.parameters():
+        if parameter.is_floating_point() and id(parameter) not in routers:
+            parameter.data = parameter.data.to(dtype)
 
 
 def update_router_biases(model: nn.Module) -> None:

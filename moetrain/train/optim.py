@@ -9,6 +9,7 @@ from torch import nn
 
 from moetrain.config import OptimConfig, OptimizerName
 from moetrain.moe import is_expert_param
+from moetrain.ops.adamw import adamw_master_step_
 
 
 def _decays(parameter: nn.Parameter) -> bool:
@@ -17,7 +18,65 @@ def _decays(parameter: nn.Parameter) -> bool:
     return parameter.ndim >= 3 or (parameter.ndim == 2 and not is_expert_param(parameter))
 
 
+class MasterWeightAdamW(torch.optim.Optimizer):
+    """AdamW for 16-bit parameters through fp32 master weights (Megatron's mixed-precision layout).
+
+    Each bf16 (or fp16) parameter gets an fp32 master copy and fp32 moments in its state; a step
+    updates the master from the 16-bit gradient and writes the master, rounded, back into the
+    parameter (moetrain.ops.adamw: one pass per parameter on CUDA). fp32 parameters (the routers) are
+    their own masters. The masters are in the state dict, so a resumed run continues from the same
+    fp32 weights bit for bit, and they stay fp32 when a checkpoint is loaded.
+    """
+
+    def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 1e-2):
+        super().__init__(params, {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay})
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        # torch's Optimizer.load_state_dict casts float state to each parameter's dtype: the masters and
+        # moments of a bf16 parameter are put back in fp32, as saved.
+        saved = state_dict["state"]
+        super().load_state_dict(state_dict)
+        indices = [index for group in state_dict["param_groups"] for index in group["params"]]
+        params = [param for group in self.param_groups for param in group["params"]]
+        for index, param in zip(indices, params):
+            for key, value in saved.get(index, {}).items():
+                if key != "step" and isinstance(value, torch.Tensor):
+                    self.state[param][key] = value.to(device=param.device, dtype=torch.float32)
+
+    def _state(self, param: torch.Tensor) -> dict:
+        state = self.state[param]
+        if not state:
+            state["step"] = torch.zeros((), dtype=torch.float32)
+            if param.dtype != torch.float32:
+                state["master"] = param.detach().float()
+            state["exp_avg"] = torch.zeros_like(param, dtype=torch.float32, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(param, dtype=torch.float32, memory_format=torch.preserve_format)
+        return state
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            beta1, beta2 = group["betas"]
+            for param in group["params"]:
+                if param.grad is None:
+                    continue
+                state = self._state(param)
+                state["step"] += 1
+                adamw_master_step_(param, param.grad, state.get("master", param), state["exp_avg"],
+                                   state["exp_avg_sq"], int(state["step"].item()), group["lr"], beta1, beta2,
+                                   group["eps"], group["weight_decay"])
+        return loss
+
+
 def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer:
+    """AdamW or SGD over the model's trainable parameters, weight decay on weight matrices only. With
+    16-bit parameters (TrainerConfig.param_dtype=bfloat16) AdamW keeps fp32 master weights
+    (MasterWeightAdamW); SGD needs fp32 parameters."""
     parameters = [p for p in model.parameters() if p.requires_grad]
     groups = [
         {"params": [p for p in parameters if _decays(p)], "weight_decay": cfg.weight_decay},
@@ -27,6 +86,12 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer
     # default multi-tensor AdamW took 32 ms of a 270 ms step, the fused one about half of that.
     # Elsewhere (CPU) torch's default implementation.
     fused = True if parameters and all(p.device.type == "cuda" for p in parameters) else None
+    low_precision = any(p.dtype in (torch.bfloat16, torch.float16) for p in parameters)
+    if low_precision:
+        if cfg.name != OptimizerName.adamw:
+            raise ValueError(f"OptimConfig.name={cfg.name.value!r} needs fp32 parameters: use 'adamw', whose "
+                             "fp32 master weights make 16-bit parameters trainable")
+        return MasterWeightAdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps)
     if cfg.name == OptimizerName.adamw:
         return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, fused=fused)
     return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum, fused=fused)

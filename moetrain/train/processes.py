@@ -35,9 +35,13 @@ class SingleProcess:
     def clip_grad_norm_(self, model: nn.Module, max_norm: float) -> torch.Tensor:
         """The global gradient norm; scales the gradients to at most max_norm (inf: only measures:
         torch's clip_grad_norm_ would still multiply every gradient by 1, a pass over all of them)."""
-        if max_norm == float("inf"):
-            return torch.nn.utils.get_total_norm([param.grad for param in model.parameters() if param.grad is not None])
-        return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+        grads = [param.grad for param in model.parameters() if param.grad is not None]
+        # In fp32 whatever the gradients' dtype (torch's get_total_norm returns bf16 for bf16 gradients).
+        total = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, 2.0, dtype=torch.float32))) if grads \
+            else torch.zeros(())
+        if max_norm != float("inf"):
+            torch.nn.utils.clip_grads_with_norm_([p for p in model.parameters() if p.grad is not None], max_norm, total)
+        return total
 
     def clip_grads_with_norm_(self, model: nn.Module, max_norm: float, total_norm: torch.Tensor) -> None:
         """Scales the gradients by max_norm / (total_norm + 1e-6), clamped to 1, as clip_grad_norm_."""

@@ -23,7 +23,7 @@ import random
 import signal
 import threading
 import time
-from collections import defaultdict
+from collections import defaultdict, deque
 from contextlib import nullcontext
 from pathlib import Path
 
@@ -35,18 +35,20 @@ from torch.utils.data import DataLoader
 from tqdm import tqdm
 
 from moetrain.config import (
-    Device, FP8Wgrad, LoggerConfig, NonFinite, OptimConfig, Precision, SettingError, TrainerConfig,
+    Device, FP8Wgrad, LoggerConfig, NonFinite, OptimConfig, ParamDtype, Precision, SettingError, TrainerConfig,
 )
 from moetrain.data import DataModule
-from moetrain.moe import MoELayer, moe_layers, update_router_biases
+from moetrain.moe import MoELayer, moe_layers, set_parameter_dtype, update_router_biases
 from moetrain.moe.recompute import set_activation_checkpointing
 from moetrain.quant.training import fp8_supported
 from moetrain.train import checkpoint
 from moetrain.train.metrics import TensorBoard, append_metrics, flatten, load_postfix, training_throughput
+from moetrain.timing import anatomy_markdown, profiled_kernels, step_anatomy
 from moetrain.train.optim import build_scheduler, clip_factor
 from moetrain.train.processes import SingleProcess
 from moetrain.train.stream import BatchStream
 
+_PROFILED_STEPS = 3  # trainer.profile_at profiles this many steps
 log = logging.getLogger(__name__)
 
 IGNORE_INDEX = -100
@@ -133,6 +135,10 @@ class Trainer:
             (lambda: torch.autocast(self.device.type, dtype=torch.bfloat16)) if bf16 else nullcontext
         )
         self.model = model.to(self.device)
+        if trainer.param_dtype == ParamDtype.bfloat16:
+            # bf16 weights, fp32 masters in the optimizer: the forward casts no weight and the residual
+            # stream is bf16 (routers stay fp32).
+            set_parameter_dtype(self.model, torch.bfloat16)
         try:
             set_activation_checkpointing(self.model, trainer.activation_checkpointing.value)
         except ValueError as error:
@@ -382,6 +388,40 @@ class Trainer:
         self.scheduler.step()
         return loss_value, aux_value, norm_value
 
+    def _start_profiler(self) -> torch.profiler.profile:
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if self.device.type == "cuda":
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+            torch.cuda.synchronize(self.device)
+        profiler = torch.profiler.profile(activities=activities, record_shapes=True)
+        profiler.start()
+        return profiler
+
+    def _write_anatomy(self, profiler: torch.profiler.profile, steps: int, unprofiled_seconds: list[float]) -> None:
+        """Where the profiled steps' time went, by part of the step (moetrain.timing.step_anatomy), into
+        <run dir>/anatomy.md and the log. The wall time of a step is that of the steps just before
+        the profiled ones (the profiler's own host work stretches those it records)."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        profiler.stop()
+        if not self.processes.is_main:
+            return
+        first = self.step - steps + 1
+        if self.device.type != "cuda":
+            table = profiler.key_averages().table(sort_by="self_cpu_time_total", row_limit=30)
+            text = f"# Steps {first}-{self.step}: host operators (no GPU)\n\n```\n{table}\n```\n"
+        else:
+            wall_ms = 1e3 * sum(unprofiled_seconds) / len(unprofiled_seconds) if unprofiled_seconds else float("nan")
+            vocab_size = self.data.model_inputs.get("vocab_size")
+            tokens = self.data.batch_size * (self.data.model_inputs.get("max_seq_len") or 0)
+            anatomy = step_anatomy(profiled_kernels(profiler), steps,
+                                   wall_ms, vocab_size, tokens)
+            text = (f"# Steps {first}-{self.step} on {torch.cuda.get_device_name(self.device)}: GPU time per part\n\n"
+                    f"Wall time of a step: the mean of the {len(unprofiled_seconds)} steps before step {first}; "
+                    "idle: that wall time minus the GPU's busy time.\n\n" + anatomy_markdown(anatomy) + "\n")
+        (self.run_dir / "anatomy.md").write_text(text)
+        log.info("step %d: profile of steps %d-%d written to %s", self.step, first, self.step, self.run_dir / "anatomy.md")
+
     def fit(self) -> dict:
         """Train to trainer.max_steps; returns the final metrics (also written to metrics.json).
         Raises Terminated after saving a checkpoint when SIGTERM arrives before the last step."""
@@ -440,12 +480,21 @@ class Trainer:
         metrics = self.metrics
         routing = defaultdict(lambda: [0, 0])  # layer -> [tokens per expert, kept per expert] since the last log
         window_losses, window_aux, window_seconds = [], [], 0.0
+        profiler, recent_seconds = None, deque(maxlen=3)  # trainer.profile_at: the steps before it set the wall time
         self.model.train()
         while self.step < cfg.max_steps:
             self.step += 1
+            if self.step == cfg.profile_at:
+                profiler = self._start_profiler()
             started = time.perf_counter()
             loss, aux, grad_norm = self._train_step(routing)
-            window_seconds += time.perf_counter() - started
+            seconds = time.perf_counter() - started
+            window_seconds += seconds
+            if profiler is None:
+                recent_seconds.append(seconds)
+            elif self.step == cfg.profile_at + _PROFILED_STEPS - 1 or self.step == cfg.max_steps:
+                self._write_anatomy(profiler, self.step - cfg.profile_at + 1, list(recent_seconds))
+                profiler = None
             if math.isfinite(loss + aux):  # a skipped step's loss would turn the average into NaN
                 window_losses.append(loss)
                 window_aux.append(aux)

@@ -1,0 +1,94 @@
+"""One AdamW update of a 16-bit parameter from its fp32 master weight, in one pass.
+
+Mixed-precision training as Megatron arranges it: the model holds bf16 parameters (so the forward
+casts nothing and the backward writes bf16 gradients), the optimizer holds an fp32 master copy of
+each and the fp32 moments. The update reads the bf16 gradient, the master and both moments once,
+and writes the master, the moments and the master rounded to bf16 into the parameter: 28 bytes per
+element, what torch's fused AdamW moves over fp32 parameters alone, with no fp32 gradient and no
+separate cast kernels.
+
+On CUDA that is a Triton kernel (fp32 registers); elsewhere, and without Triton, `reference` does
+the same arithmetic with torch's ops. Both follow torch.optim.AdamW's formula:
+
+    master *= 1 - lr * weight_decay
+    m = beta1 * m + (1 - beta1) * g;   v = beta2 * v + (1 - beta2) * g * g
+    master -= lr / (1 - beta1**t) * m / (sqrt(v) / sqrt(1 - beta2**t) + eps)
+    param = master rounded to param's dtype
+
+A parameter that is fp32 itself (the routers) is its own master: `master` is the parameter.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # without Triton, CUDA tensors take the reference path
+    triton = None
+
+_ELEMENTS_PER_PROGRAM = 2048
+
+
+def reference(param: torch.Tensor, grad: torch.Tensor, master: torch.Tensor, exp_avg: torch.Tensor,
+              exp_avg_sq: torch.Tensor, step: int, lr: float, beta1: float, beta2: float, eps: float,
+              weight_decay: float) -> None:
+    """The update with torch's ops, in fp32, in place (step counts from 1)."""
+    g = grad.float()
+    master.mul_(1 - lr * weight_decay)
+    exp_avg.lerp_(g, 1 - beta1)
+    exp_avg_sq.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+    denom = (exp_avg_sq.sqrt() / math.sqrt(1 - beta2**step)).add_(eps)
+    master.addcdiv_(exp_avg, denom, value=-lr / (1 - beta1**step))
+    if param is not master:
+        param.copy_(master)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _adamw_master_kernel(param_ptr, grad_ptr, master_ptr, exp_avg_ptr, exp_avg_sq_ptr, elements,
+                             decay, beta1, beta2, eps, step_size, bias_correction2_sqrt,
+                             WRITE_PARAM: tl.constexpr, BLOCK: tl.constexpr):
+        index = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        mask = index < elements
+        g = tl.load(grad_ptr + index, mask=mask).to(tl.float32)
+        master = tl.load(master_ptr + index, mask=mask)
+        m = tl.load(exp_avg_ptr + index, mask=mask)
+        v = tl.load(exp_avg_sq_ptr + index, mask=mask)
+        master = master * decay
+        m = m + (1.0 - beta1) * (g - m)
+        v = beta2 * v + (1.0 - beta2) * g * g
+        master = master - step_size * m / (tl.sqrt(v) / bias_correction2_sqrt + eps)
+        tl.store(master_ptr + index, master, mask=mask)
+        tl.store(exp_avg_ptr + index, m, mask=mask)
+        tl.store(exp_avg_sq_ptr + index, v, mask=mask)
+        if WRITE_PARAM:
+            tl.store(param_ptr + index, master.to(param_ptr.dtype.element_ty), mask=mask)
+
+
+def kernel_runs(param: torch.Tensor, grad: torch.Tensor, master: torch.Tensor) -> bool:
+    """Whether adamw_master_step_ takes the Triton kernel: CUDA, Triton, contiguous tensors."""
+    return (triton is not None and param.is_cuda and all(t.is_contiguous() for t in (param, grad, master))
+            and master.dtype == torch.float32)
+
+
+def adamw_master_step_(param: torch.Tensor, grad: torch.Tensor, master: torch.Tensor, exp_avg: torch.Tensor,
+                       exp_avg_sq: torch.Tensor, step: int, lr: float, beta1: float, beta2: float, eps: float,
+                       weight_decay: float) -> None:
+    """One AdamW step of `param` (any float dtype) through its fp32 `master` (which may be `param`
+    itself), with fp32 moments, all updated in place; `step` counts from 1."""
+    if not kernel_runs(param, grad, master):
+        reference(param, grad, master, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps, weight_decay)
+        return
+    elements = param.numel()
+    if elements == 0:
+        return
+    _adamw_master_kernel[(triton.cdiv(elements, _ELEMENTS_PER_PROGRAM),)](
+        param, grad, master, exp_avg, exp_avg_sq, elements,
+        1 - lr * weight_decay, beta1, beta2, eps, lr / (1 - beta1**step), math.sqrt(1 - beta2**step),
+        WRITE_PARAM=param is not master, BLOCK=_ELEMENTS_PER_PROGRAM, num_warps=8,
+    )

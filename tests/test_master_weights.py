@@ -1,0 +1,169 @@
+"""bf16 parameters with fp32 master weights (trainer.param_dtype=bfloat16): the optimizer against
+torch's AdamW on fp32 parameters, its state across a checkpoint, the kernel against its reference,
+and the trainer's casting."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+import torch
+
+from moetrain.config import OptimConfig, OptimizerName
+from moetrain.models import build_lm
+from moetrain.moe import moe_layers, set_parameter_dtype
+from moetrain.ops import adamw
+from moetrain.train.optim import MasterWeightAdamW, build_optimizer
+
+
+
+def _pairs(seed: int, shapes=((33, 17), (5,), (4, 8, 3))):
+    """bf16 parameters and fp32 copies of exactly their values."""
+    generator = torch.Generator().manual_seed(seed)
+    low = [torch.nn.Parameter(torch.randn(s, generator=generator).bfloat16()) for s in shapes]
+    high = [torch.nn.Parameter(p.detach().float().clone()) for p in low]
+    return low, high
+
+
+@pytest.mark.parametrize("weight_decay", [0.0, 0.1])
+def test_masters_follow_torch_adamw_on_fp32_parameters(weight_decay):
+    low, high = _pairs(0)
+    ours = MasterWeightAdamW(low, lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=weight_decay)
+    torchs = torch.optim.AdamW(high, lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=weight_decay, foreach=False)
+    generator = torch.Generator().manual_seed(1)
+    for _ in range(6):
+        for p, q in zip(low, high):
+            grad = torch.randn(p.shape, generator=generator).bfloat16()
+            p.grad, q.grad = grad, grad.float()  # the same gradient, as bf16 backward would give it
+        ours.step()
+        torchs.step()
+    for p, q in zip(low, high):
+        master = ours.state[p]["master"]
+        assert master.dtype == torch.float32
+        torch.testing.assert_close(master, q.detach(), rtol=2e-6, atol=1e-7)
+        assert torch.equal(p.detach(), master.bfloat16())  # the parameter is its master rounded
+        assert not torch.equal(master, master.bfloat16().float())  # the master keeps what bf16 rounds away
+
+
+def test_fp32_parameters_are_their_own_masters():
+    router = torch.nn.Parameter(torch.randn(8, 16))
+    reference = torch.nn.Parameter(router.detach().clone())
+    ours, torchs = MasterWeightAdamW([router], lr=1e-2), torch.optim.AdamW([reference], lr=1e-2, foreach=False)
+    for _ in range(3):
+        grad = torch.randn(8, 16)
+        router.grad, reference.grad = grad, grad.clone()
+        ours.step()
+        torchs.step()
+    assert "master" not in ours.state[router]
+    torch.testing.assert_close(router.detach(), reference.detach(), rtol=2e-6, atol=1e-7)
+
+
+def test_state_survives_a_checkpoint_bit_for_bit():
+    low, _ = _pairs(2)
+    copies = [torch.nn.Parameter(p.detach().clone()) for p in low]
+    first, second = MasterWeightAdamW(low, lr=1e-2, weight_decay=0.1), MasterWeightAdamW(copies, lr=1e-2, weight_decay=0.1)
+    generator = torch.Generator().manual_seed(3)
+    grads = [[torch.randn(p.shape, generator=generator).bfloat16() for p in low] for _ in range(5)]
+    for step in range(3):
+        for p, g in zip(low, grads[step]):
+            p.grad = g
+        first.step()
+    buffer = io.BytesIO()
+    torch.save(first.state_dict(), buffer)
+    buffer.seek(0)
+    for p, q in zip(copies, low):
+        p.data.copy_(q.detach())
+    second.load_state_dict(torch.load(buffer, weights_only=True))
+    assert all(second.state[p]["master"].dtype == torch.float32 for p in copies)  # not cast to bf16 on load
+    for step in range(3, 5):
+        for optimizer, params in ((first, low), (second, copies)):
+            for p, g in zip(params, grads[step]):
+                p.grad = g
+            optimizer.step()
+    for p, q in zip(low, copies):
+        assert torch.equal(p.detach(), q.detach())
+        assert torch.equal(first.state[p]["master"], second.state[q]["master"])
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_kernel_matches_reference(dtype):
+    device = "cuda"
+    torch.manual_seed(4)
+    for elements in (1, 2047, 2048, 100_003):
+        param = torch.randn(elements, device=device).to(dtype)
+        master = param.float().clone() if dtype != torch.float32 else param
+        grad = torch.randn(elements, device=device).to(dtype)
+        exp_avg, exp_avg_sq = torch.randn(elements, device=device), torch.rand(elements, device=device)
+        state = [t.clone() for t in (param, master, exp_avg, exp_avg_sq)]
+        if dtype == torch.float32:
+            state[1] = state[0]
+        if dtype != torch.float32:
+            param.fill_(float("nan"))  # every element must be written
+        assert adamw.kernel_runs(param, grad, master)
+        adamw.adamw_master_step_(param, grad, master, exp_avg, exp_avg_sq, 7, 1e-3, 0.9, 0.95, 1e-8, 0.1)
+        adamw.reference(*state[:1], grad, *state[1:], 7, 1e-3, 0.9, 0.95, 1e-8, 0.1)
+        for ours, theirs in zip((master, exp_avg, exp_avg_sq), state[1:]):
+            torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=1e-7)
+        assert torch.equal(param, master.to(dtype))  # the parameter is its master rounded, every element
+
+
+def test_parameter_dtype_keeps_routers_and_buffers_fp32():
+    model = build_lm("qwen3_moe_tiny")
+    routers = {id(p) for layer in moe_layers(model) for p in layer.gate.parameters()}
+    buffers = {name: b.dtype for name, b in model.named_buffers()}
+    set_parameter_dtype(model, torch.bfloat16)
+    for p in model.parameters():
+        assert p.dtype == (torch.float32 if id(p) in routers else torch.bfloat16)
+    assert routers and {name: b.dtype for name, b in model.named_buffers()} == buffers
+    optimizer = build_optimizer(model, OptimConfig())
+    assert isinstance(optimizer, MasterWeightAdamW)
+    with pytest.raises(ValueError, match="needs fp32 parameters"):
+        build_optimizer(model, OptimConfig(name=OptimizerName.sgd))
+
+
+def _tiny_lm_trainer(run_dir, **trainer_settings):
+    from moetrain.config import LoggerConfig, TrainerConfig
+    from moetrain.data.text import synthetic_lm
+    from moetrain.train import Trainer, seed_everything
+
+    seed_everything(0)
+    model = build_lm("qwen3_moe_tiny", vocab_size=64, dim=32, depth=2, max_seq_len=16)
+    data = synthetic_lm(vocab_size=64, seq_len=16, train_size=64, eval_size=8, batch_size=4, eval_batch_size=4)
+    settings = dict(max_steps=6, eval_every=0, eval_batches=1, checkpoint_every=3, keep_checkpoints=0,
+                    progress_bar=False, param_dtype="bfloat16")
+    settings.update(trainer_settings)
+    return Trainer(model, data, trainer=TrainerConfig(**settings), optim=OptimConfig(lr=3e-3, warmup_steps=1),
+                   logger=LoggerConfig(tensorboard=False, log_every=1), run_dir=run_dir, seed=0,
+                   run_config={"model": {"name": "tiny"}, "trainer": {"max_steps": settings["max_steps"]}})
+
+
+def test_the_trainer_trains_bf16_parameters_and_resumes_them_exactly(tmp_path):
+    from moetrain.config import ParamDtype
+
+    straight = _tiny_lm_trainer(tmp_path / "straight", param_dtype=ParamDtype.bfloat16)
+    routers = {id(p) for layer in moe_layers(straight.model) for p in layer.gate.parameters()}
+    assert isinstance(straight.optimizer, MasterWeightAdamW)
+    assert {p.dtype for p in straight.model.parameters() if id(p) not in routers} == {torch.bfloat16}
+    before = {name: p.detach().clone() for name, p in straight.model.named_parameters()}
+    straight.fit()
+    assert all(not torch.equal(before[name], p.detach()) for name, p in straight.model.named_parameters()
+               if "gate" not in name)  # every weight trained (bf16 rounding did not swallow the updates)
+    # From the straight run's checkpoint at step 3 (fp32 masters, moments, bf16 weights) to step 6.
+    middle = tmp_path / "straight" / "checkpoints" / "step_00000003.pt"
+    resumed = _tiny_lm_trainer(tmp_path / "resumed", param_dtype=ParamDtype.bfloat16, resume=str(middle))
+    resumed.fit()
+    for (name, p), q in zip(straight.model.named_parameters(), resumed.model.parameters()):
+        assert torch.equal(p, q), name
+    for p, q in zip(straight.model.parameters(), resumed.model.parameters()):
+        for key, value in straight.optimizer.state[p].items():
+            assert torch.equal(value, resumed.optimizer.state[q][key]), key
+
+
+def test_profile_at_writes_the_anatomy_of_the_profiled_steps(tmp_path):
+    trainer = _tiny_lm_trainer(tmp_path, max_steps=5, profile_at=2)
+    trainer.fit()
+    text = (tmp_path / "anatomy.md").read_text()
+    assert text.startswith("# Steps 2-4")  # three steps, from profile_at on
+    assert "aten::mm" in text  # on a CPU: the host's costliest operators
