@@ -544,7 +544,7 @@ def read_checkpoint_config(path) -> tuple[dict, LMConfig]:
     try:
         return read_pretrained_config(str(path))
     except HFCheckpointError as error:
-        raise ConfigError(f"model.path={path}: {_one_line(error)}") from None
+        raise ConfigError(f"model.path: {_one_line(error)}") from None
 
 
 def use_checkpoint_routing(composed: DictConfig, routings: dict[str, dict]) -> bool:
@@ -606,9 +606,11 @@ def prebuild_checkpoint_model(config: Config, task: str, model_inputs: dict) -> 
                           f"(its max_position_embeddings): set {key}={positions} or less")
     try:
         return _instantiate_checkpoint_model(config, model_inputs)
-    except (HFCheckpointError, ValueError, OSError) as error:
-        raise ConfigError(f"model.path={path}: {_one_line(error)}: the checkpoint is damaged or its weights do not fit "
-                          "its config.json; download it again (or fix config.json)") from None
+    except HFCheckpointError as error:  # says what and where, and how to fix it
+        raise ConfigError(f"model.path: {_one_line(error)}") from None
+    except OSError as error:
+        raise ConfigError(f"model.path={path}: cannot read {error.filename or 'the checkpoint'}: "
+                          f"{error.strerror or error}: fix the path or its permissions") from None
 
 
 def _instantiate_checkpoint_model(config: Config, model_inputs: dict) -> torch.nn.Module:

@@ -476,15 +476,21 @@ def read_pretrained_config(directory: str | Path) -> tuple[dict, LMConfig]:
 
 def stored_dtypes(directory: str | Path, config: dict) -> dict[str, torch.dtype]:
     """The dtype of each tensor of a checkpoint directory, as its safetensors headers give it (no
-    tensor is read); float8 tensors and their block scales map to the config's torch_dtype."""
-    from safetensors import safe_open  # only where a checkpoint's own dtypes are kept
+    tensor is read); float8 tensors and their block scales map to the config's torch_dtype. A shard
+    whose header is damaged, or whose data does not reach as far as the header says (a truncated
+    download), is a CheckpointError naming it."""
+    from safetensors import SafetensorError, safe_open  # only where a checkpoint's own dtypes are kept
 
     written = getattr(torch, str(config.get("torch_dtype") or config.get("dtype") or "float32"))
     dtypes = {}
     for path in sorted(Path(directory).glob("*.safetensors")):
-        with safe_open(str(path), framework="pt") as opened:
-            for name in opened.keys():
-                dtypes[name] = _STORED_FLOAT_DTYPES.get(opened.get_slice(name).get_dtype(), written)
+        try:
+            with safe_open(str(path), framework="pt") as opened:
+                for name in opened.keys():
+                    dtypes[name] = _STORED_FLOAT_DTYPES.get(opened.get_slice(name).get_dtype(), written)
+        except SafetensorError as error:
+            raise CheckpointError(f"{path} is not a complete safetensors file ({error}): it is damaged or "
+                                  "truncated; download it again") from None
     return dtypes
 
 
@@ -525,8 +531,13 @@ def pretrained_lm(path: str, max_seq_len: int | None = None, dropout: float = 0.
                               f"of {path}: use the checkpoint's tokenizer, or one whose vocabulary fits")
     moe_kwargs = training_routing(config, lm_config) if moe_kwargs is None else moe_kwargs
     overrides = {"dropout": dropout, "moe_kwargs": moe_kwargs}
-    model = load_hf_checkpoint(path, dtype=torch.float32, max_seq_len=max_seq_len or 4096, **overrides)
-    model.pretrained = Pretrained(Path(path), config, stored_dtypes(path, config))
+    dtypes = stored_dtypes(path, config)  # before the weights: names a truncated shard
+    try:
+        model = load_hf_checkpoint(path, dtype=torch.float32, max_seq_len=max_seq_len or 4096, **overrides)
+    except ValueError as error:  # CheckpointError included: a tensor missing, left over, misshapen or unreadable
+        raise CheckpointError(f"{path}: {' '.join(str(error).split())}: its weights do not fit its config.json; "
+                              "download the checkpoint again (or fix config.json)") from None
+    model.pretrained = Pretrained(Path(path), config, dtypes)
     return model.train()
 
 
