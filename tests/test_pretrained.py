@@ -44,6 +44,12 @@ def train(run_dir: Path, *overrides: str) -> Path:
     return run_dir
 
 
+def checked_command_line(overrides: list[str], multirun: bool):
+    """What the command composes and checks for a command line, in this process (no run directory)."""
+    cli.register_configs()
+    return cli.check_command_line(overrides, multirun)
+
+
 def tensors(directory: Path) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
@@ -117,13 +123,36 @@ def export(run_dir: Path, out: Path) -> Path:
     return out
 
 
+def edited_copy(source: Path, destination: Path, edit) -> Path:
+    shutil.copytree(source, destination)
+    config = json.loads((destination / "config.json").read_text())
+    (destination / "config.json").write_text(json.dumps(edit(config)))
+    return destination
+
+
+def transformers4_layout(config: dict) -> dict:
+    """A transformers-5 Qwen3-MoE config.json as transformers 4 wrote it."""
+    config = dict(config)
+    config["rope_theta"] = config.pop("rope_parameters")["rope_theta"]
+    config["num_experts"] = config.pop("num_local_experts")
+    config["torch_dtype"] = config.pop("dtype")
+    return config
+
+
 # ---- lr=0: the export is the checkpoint ----------------------------------------------------------------
-@pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral", "deepseek_v3"])
-def test_an_untrained_step_exports_the_checkpoint_byte_for_byte(checkpoints, tmp_path, model_type):
+@pytest.mark.parametrize("variant", ["qwen3_moe", "mixtral", "deepseek_v3", "kimi_k2", "qwen3_moe-transformers4"])
+def test_an_untrained_step_exports_the_checkpoint_byte_for_byte(checkpoints, tmp_path, variant):
     """optim.lr=0 with AdamW's default weight decay (0.05): the float32 master weights stay the
-    bf16 values exactly, and export writes every tensor back in its own dtype."""
-    source = checkpoints[f"{model_type}-bfloat16"]
-    bias = ["gate.bias_update_rate=0"] if model_type == "deepseek_v3" else []
+    bf16 values exactly, and export writes every tensor back in its own dtype. Kimi-K2 is
+    DeepSeek-V3's architecture under its own model_type; the transformers-4 layout is the same
+    Qwen3-MoE checkpoint with that version's config keys."""
+    model_type = variant.split("-")[0]
+    source = checkpoints[f"{'deepseek_v3' if model_type == 'kimi_k2' else model_type}-bfloat16"]
+    if model_type == "kimi_k2":
+        source = edited_copy(source, tmp_path / "kimi", lambda config: config | {"model_type": "kimi_k2"})
+    if variant.endswith("transformers4"):
+        source = edited_copy(source, tmp_path / "v4", transformers4_layout)
+    bias = ["gate.bias_update_rate=0"] if model_type in ("deepseek_v3", "kimi_k2") else []
     run = train(tmp_path / "run", "model=hf", f"model.path={source}", "optim.lr=0", "trainer.max_steps=1", *bias)
     out = export(run, tmp_path / "out")
     theirs, ours = tensors(source), tensors(out)
@@ -132,7 +161,7 @@ def test_an_untrained_step_exports_the_checkpoint_byte_for_byte(checkpoints, tmp
     different = [name for name in theirs if not same_bytes(theirs[name], ours[name])]
     assert not different, different
     written, original = json.loads((out / "config.json").read_text()), json.loads((source / "config.json").read_text())
-    assert written["model_type"] == model_type and written["dtype"] == written["torch_dtype"] == "bfloat16"
+    assert written["model_type"] == model_type and written["torch_dtype"] == written.get("dtype", "bfloat16") == "bfloat16"
     for key in ("architectures", "max_position_embeddings", "num_experts_per_tok", "vocab_size", "eos_token_id"):
         assert written.get(key) == original.get(key), key
 
@@ -190,16 +219,23 @@ def test_transformers_loads_the_export_with_the_run_logits_and_tokenizer(checkpo
 
 def test_the_run_routes_as_the_checkpoint_under_the_users_gate_keys(checkpoints):
     source = checkpoints["deepseek_v3-bfloat16"]
-    gate = cli.check_command_line(["model=hf", f"model.path={source}", "data=synthetic_lm"], False).gate
+    gate = checked_command_line(["model=hf", f"model.path={source}", "data=synthetic_lm"], False).gate
     assert (gate.type, gate.top_k, gate.capacity_factor, gate.n_group, gate.topk_group) == ("sigmoid", 2, 0, 2, 1)
     assert gate.routed_scaling_factor == 2.5 and gate.normalize is True and gate.balance_loss_weight == 0.0001
-    changed = cli.check_command_line(["model=hf", f"model.path={source}", "data=synthetic_lm", "gate.top_k=1",
+    changed = checked_command_line(["model=hf", f"model.path={source}", "data=synthetic_lm", "gate.top_k=1",
                                       "gate.capacity_factor=1.5"], False).gate
     assert (changed.type, changed.top_k, changed.capacity_factor, changed.n_group) == ("sigmoid", 1, 1.5, 2)
-    qwen = cli.check_command_line(["model=hf", f"model.path={checkpoints['qwen3_moe-bfloat16']}", "data=synthetic_lm",
+    qwen = checked_command_line(["model=hf", f"model.path={checkpoints['qwen3_moe-bfloat16']}", "data=synthetic_lm",
                                    "trainer.max_steps=7", "parallel.strategy=data"], False)
     assert (qwen.gate.type, qwen.gate.top_k, qwen.gate.normalize, qwen.gate.balance_loss_weight) == ("top", 2, True, 0.001)
     assert qwen.trainer.max_steps == 7 and qwen.parallel.strategy.value == "data"
+
+
+def test_a_sweep_over_a_checkpoint_composes_each_job_with_its_routing(checkpoints):
+    qwen, deepseek = checkpoints["qwen3_moe-bfloat16"], checkpoints["deepseek_v3-bfloat16"]
+    assert checked_command_line(["model=hf", f"model.path={qwen}", "data=synthetic_lm", "gate.top_k=1,3"], True) is None
+    with pytest.raises(cli.ConfigError, match="route differently"):
+        checked_command_line(["model=hf", f"model.path={qwen},{deepseek}", "data=synthetic_lm"], True)
 
 
 @pytest.mark.parametrize("override", ["model.dim=64", "+model.num_experts=8", "+model.vocab_size=1000",
@@ -207,7 +243,7 @@ def test_the_run_routes_as_the_checkpoint_under_the_users_gate_keys(checkpoints)
 def test_keys_the_checkpoint_fixes_are_refused(checkpoints, override):
     key = override.lstrip("+").split("=")[0]
     with pytest.raises(cli.ConfigError, match=f"{key} is fixed by the checkpoint"):
-        cli.check_command_line(["model=hf", f"model.path={checkpoints['qwen3_moe-bfloat16']}", "data=synthetic_lm",
+        checked_command_line(["model=hf", f"model.path={checkpoints['qwen3_moe-bfloat16']}", "data=synthetic_lm",
                                 override], False)
 
 
