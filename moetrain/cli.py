@@ -855,6 +855,8 @@ def _report_sigterm(stopped: WorkersTerminated, run_dir: Path) -> typing.NoRetur
 
 def _launch(cfg: DictConfig, run_dir: Path) -> None:
     """One process, N spawned workers (parallel.nproc_per_node), or this rank of a torchrun job."""
+    if cfg.model.get("_target_") == PRETRAINED_TARGET:
+        apply_checkpoint_tokenizer(cfg)  # a sweep's jobs, which Hydra's sweeper composed
     config = checked(cfg)
     # torchrun tells its processes their place through the environment (only the CLI reads it).
     torchrun = int(os.environ.get("WORLD_SIZE", "1")) > 1

@@ -217,6 +217,17 @@ def test_transformers_loads_the_export_with_the_run_logits_and_tokenizer(checkpo
     assert loaded.eos_token == "<|endoftext|>"
 
 
+def test_a_one_process_run_reads_the_checkpoint_once(checkpoints, tmp_path, monkeypatch):
+    """The command reads the weights before making the run directory, and trains that model."""
+    from moetrain.models import hf
+
+    calls = []
+    original = hf.load_hf_checkpoint
+    monkeypatch.setattr(hf, "load_hf_checkpoint", lambda *args, **kwargs: calls.append(args) or original(*args, **kwargs))
+    train(tmp_path / "run", "model=hf", f"model.path={checkpoints['mixtral-bfloat16']}", "trainer.max_steps=1")
+    assert len(calls) == 1 and (tmp_path / "run" / "checkpoints").is_dir()
+
+
 def test_the_run_routes_as_the_checkpoint_under_the_users_gate_keys(checkpoints):
     source = checkpoints["deepseek_v3-bfloat16"]
     gate = checked_command_line(["model=hf", f"model.path={source}", "data=synthetic_lm"], False).gate
