@@ -67,7 +67,7 @@ from tqdm import tqdm
 from moetrain.config import Config, ConfigError, GateConfig, Mode, SettingError, did_you_mean, validate
 from moetrain.data import DataModule
 from moetrain.models.hf import CheckpointError as HFCheckpointError
-from moetrain.models.hf import read_pretrained_config, training_routing
+from moetrain.models.hf import pretrained_lm, read_pretrained_config, training_routing
 from moetrain.models.lm import LMConfig
 from moetrain.models.presets import PRESETS
 from moetrain.models.routing import flat_routing, layer_kwargs, setting_owners
@@ -538,7 +538,7 @@ def _fixed_by_checkpoint(key: str) -> str:
 
 def read_checkpoint_config(path) -> tuple[dict, LMConfig]:
     """config.json of model.path and the architecture it gives, checked; ConfigError naming the key."""
-    if path is None or path == "???":
+    if path is None:
         raise ConfigError("model=hf starts from a Hugging Face checkpoint: set model.path=DIR (a folder with "
                           "config.json and *.safetensors)")
     try:
@@ -614,8 +614,7 @@ def prebuild_checkpoint_model(config: Config, task: str, model_inputs: dict) -> 
 
 
 def _instantiate_checkpoint_model(config: Config, model_inputs: dict) -> torch.nn.Module:
-    from moetrain.models.hf import pretrained_lm  # noqa: PLC0415 - the target the model node names
-
+    """pretrained_lm called as build_model calls the model node's _target_ (the same arguments)."""
     arguments = {key: value for key, value in config.model.items() if not (key.startswith("_") and key.endswith("_"))}
     inputs = {key: value for key, value in model_inputs.items() if key not in arguments}
     return pretrained_lm(**arguments, **inputs, moe_kwargs=layer_kwargs(dataclasses.asdict(config.gate)))
@@ -626,8 +625,7 @@ _PREBUILT_MODELS: dict[str, torch.nn.Module] = {}
 
 
 def _model_key(config: Config) -> str:
-    return repr((sorted(config.model.items()), sorted(dataclasses.asdict(config.gate).items(), key=str),
-                 _data_key(config)))
+    return repr((sorted(config.model.items()), dataclasses.asdict(config.gate), _data_key(config)))
 
 
 # ---- the run ------------------------------------------------------------------------------------

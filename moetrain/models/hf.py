@@ -448,7 +448,8 @@ def read_pretrained_config(directory: str | Path) -> tuple[dict, LMConfig]:
         raise CheckpointError(f"{config_path} is not valid JSON ({error}): restore it from the checkpoint's "
                               "source") from None
     if not isinstance(config, dict):
-        raise CheckpointError(f"{config_path} holds {type(config).__name__}, not a JSON object")
+        raise CheckpointError(f"{config_path} holds a JSON {type(config).__name__}, not an object of settings: "
+                              "restore it from the checkpoint's source")
     if config.get("model_type") not in MODEL_TYPES:
         raise CheckpointError(f"{config_path} has model_type {config.get('model_type')!r}; moetrain builds "
                               f"{', '.join(MODEL_TYPES)}: start from a checkpoint of one of those")
