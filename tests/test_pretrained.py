@@ -166,6 +166,19 @@ def test_an_untrained_step_exports_the_checkpoint_byte_for_byte(checkpoints, tmp
         assert written.get(key) == original.get(key), key
 
 
+@pytest.mark.cuda
+def test_an_untrained_step_on_a_gpu_exports_the_checkpoint_byte_for_byte(checkpoints, tmp_path):
+    """The same on CUDA: bf16 autocast, the kernels' dispatch, fused AdamW."""
+    source = checkpoints["deepseek_v3-bfloat16"]
+    on_gpu = [o for o in RUN if not o.startswith(("trainer.device=", "gate.impl="))] + ["trainer.device=cuda"]
+    in_process([*on_gpu, "model=hf", f"model.path={source}", "optim.lr=0", "trainer.max_steps=2",
+                "gate.bias_update_rate=0", f"hydra.run.dir={tmp_path / 'run'}", "hydra/job_logging=none",
+                "hydra/hydra_logging=none"])
+    theirs, ours = tensors(source), tensors(export(tmp_path / "run", tmp_path / "out"))
+    assert sorted(ours) == sorted(theirs)
+    assert [name for name in theirs if not same_bytes(theirs[name], ours[name])] == []
+
+
 def test_a_real_step_changes_the_export_and_the_balancing_bias_moves_at_lr_zero(checkpoints, tmp_path):
     """What must change does: one step at lr > 0 moves the weights; at lr=0 DeepSeek-V3's balancing
     bias still follows the load (gate.bias_update_rate, the documented rule) and nothing else moves."""
@@ -284,6 +297,24 @@ def own_checkpoint(tmp_path_factory) -> Path:
     save_hf_checkpoint(model, directory, "qwen3_moe", max_shard_bytes=200_000)
     assert len(list(directory.glob("*.safetensors"))) >= 2
     return directory
+
+
+@pytest.fixture(scope="module")
+def small_vocabulary_checkpoint(tmp_path_factory) -> Path:
+    """A Qwen3-MoE checkpoint of 200 ids: fewer than the byte-level tokenizer's 257."""
+    directory = tmp_path_factory.mktemp("small") / "qwen3"
+    torch.manual_seed(0)
+    save_hf_checkpoint(build_lm("qwen3_moe_tiny", vocab_size=200, max_seq_len=64, depth=1), directory, "qwen3_moe")
+    return directory
+
+
+def test_byte_level_text_needs_a_checkpoint_of_257_ids_or_more(small_vocabulary_checkpoint, tmp_path, monkeypatch,
+                                                               capsys):
+    """No tokenizer in DIR and data.tokenizer null: the text is read as bytes, which must fit."""
+    (tmp_path / "corpus.txt").write_text(TEXT)
+    line = refused(tmp_path, monkeypatch, capsys, "model=hf", f"model.path={small_vocabulary_checkpoint}", "data=text",
+                   f"data.path={tmp_path / 'corpus.txt'}", "data.seq_len=16", base=TRAINER)
+    assert "the data's 257 token ids do not fit" in line and "embedding of 200" in line and "data.tokenizer" in line
 
 
 def refused(tmp_path: Path, monkeypatch, capsys, *overrides: str, base: list[str] = RUN) -> str:
