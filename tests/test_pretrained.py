@@ -271,6 +271,13 @@ def test_keys_the_checkpoint_fixes_are_refused(checkpoints, override):
                                 override], False)
 
 
+def test_a_learning_rate_of_zero_is_allowed_and_a_negative_one_refused(checkpoints):
+    base = ["model=hf", f"model.path={checkpoints['qwen3_moe-bfloat16']}", "data=synthetic_lm"]
+    assert checked_command_line([*base, "optim.lr=0"], False).optim.lr == 0
+    with pytest.raises(cli.ConfigError, match="optim.lr must be >= 0, got -0.1"):
+        checked_command_line([*base, "optim.lr=-0.1"], False)
+
+
 def test_the_checkpoints_tokenizer_is_the_runs_unless_data_tokenizer_names_one(tmp_path):
     with_tokenizer, without = tmp_path / "with", tmp_path / "without"
     with_tokenizer.mkdir()
