@@ -164,6 +164,7 @@ def test_an_untrained_step_exports_the_checkpoint_byte_for_byte(checkpoints, tmp
     assert written["model_type"] == model_type and written["torch_dtype"] == written.get("dtype", "bfloat16") == "bfloat16"
     for key in ("architectures", "max_position_embeddings", "num_experts_per_tok", "vocab_size", "eos_token_id"):
         assert written.get(key) == original.get(key), key
+    assert (out / "generation_config.json").read_text() == (source / "generation_config.json").read_text()
 
 
 @pytest.mark.cuda

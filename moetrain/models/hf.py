@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -615,7 +616,7 @@ def save_hf_checkpoint(model: MoETransformerLM, directory: str | Path, model_typ
     of a bf16 checkpoint go back to bf16: untrained ones bit for bit), and config.json keeps the
     source's other keys (token ids, architectures, max_position_embeddings) beside moetrain's,
     which say the architecture and routing; a quantization_config goes, as the weights are
-    written dequantised."""
+    written dequantised. The source's generation_config.json (its decoding defaults) is copied."""
     directory = Path(directory)
     config = hf_config(model.config, model_type)
     state = model.state_dict()
@@ -651,3 +652,5 @@ def save_hf_checkpoint(model: MoETransformerLM, directory: str | Path, model_typ
         weight_map.update(dict.fromkeys(shard, file_name))
     index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in tensors.values())}, "weight_map": weight_map}
     (directory / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+    if source is not None and (source.path / "generation_config.json").is_file():
+        shutil.copyfile(source.path / "generation_config.json", directory / "generation_config.json")
