@@ -4,6 +4,7 @@
     moetrain +recipe=switch_cifar10 trainer.max_steps=2000 gate.top_k=2 optim.lr=3e-4
     moetrain -m +recipe=quickstart gate=switch,gshard
     moetrain +recipe=quickstart mode=eval quant=mxfp4 trainer.resume=runs/RUN quant.export=model.mxfp4.pt
+    moetrain model=hf model.path=CHECKPOINT_DIR data=text data.path=CORPUS
 
 This is the only module that knows Hydra. The configs ship as the package moetrain.conf (groups
 model, gate, parallel, data, optim, trainer, logger, quant) and recipes as moetrain.recipes, registered
@@ -16,6 +17,10 @@ Hydra's compose API and turns any failure into that one line. A single run is co
 config that was checked is the one run_composed hands to Hydra's job runner, which makes the run
 directory and calls `train`. A sweep's jobs are checked the same way first, then composed again
 by Hydra's sweeper, which runs them.
+
+`model=hf` starts from a Hugging Face checkpoint directory: its routing is read from model.path's
+config.json into the gate node (a second composition, under the command line's gate keys) and its
+weights are read before the run directory exists (use_checkpoint_routing, prebuild_checkpoint_model).
 
 The library raises plain errors that name settings as its Python API does (SettingError:
 `TrainerConfig.resume='x'`, a data builder's `root='data'`); in_config_keys turns them into the
