@@ -27,7 +27,7 @@ import moetrain
 from moetrain import cli
 from moetrain.models import build_lm, save_hf_checkpoint
 
-TRAINER = ["trainer.eval_every=0", "trainer.progress_bar=false", "trainer.device=cpu", "logger=none", "gate.impl=torch"]
+TRAINER = ["trainer.eval_every=0", "trainer.progress_bar=false", "trainer.device=cpu", "logger=none"]
 RUN = ["data=synthetic_lm", "data.seq_len=16", "data.train_size=32", "data.eval_size=8", "data.batch_size=4",
        "data.eval_batch_size=4", *TRAINER]
 TEXT = "the quick brown fox jumps over the lazy dog; a mixture of experts routes every token. " * 20
@@ -171,7 +171,7 @@ def test_an_untrained_step_exports_the_checkpoint_byte_for_byte(checkpoints, tmp
 def test_an_untrained_step_on_a_gpu_exports_the_checkpoint_byte_for_byte(checkpoints, tmp_path):
     """The same on CUDA: bf16 autocast, the kernels' dispatch, fused AdamW."""
     source = checkpoints["deepseek_v3-bfloat16"]
-    on_gpu = [o for o in RUN if not o.startswith(("trainer.device=", "gate.impl="))] + ["trainer.device=cuda"]
+    on_gpu = [o for o in RUN if not o.startswith("trainer.device=")] + ["trainer.device=cuda"]
     in_process([*on_gpu, "model=hf", f"model.path={source}", "optim.lr=0", "trainer.max_steps=2",
                 "gate.bias_update_rate=0", f"hydra.run.dir={tmp_path / 'run'}", "hydra/job_logging=none",
                 "hydra/hydra_logging=none"])
