@@ -395,6 +395,7 @@ def test_a_bad_checkpoint_is_one_line_before_any_run_directory(own_checkpoint, t
     (["data.seq_len=65"], ["data.seq_len=65 is longer than the 64 positions", "data.seq_len=64 or less"]),
     (["+model.max_seq_len=100"], ["model.max_seq_len=100 is longer than the 64 positions"]),
     (["gate.top_k=17"], ["gate.top_k=17 exceeds the 16 experts", "lower gate.top_k"]),
+    (["parallel.nproc_per_node=3"], ["the 16 experts of model.path=", "cannot be sharded over parallel.nproc_per_node=3"]),
     (["data=synthetic"], ["model=hf is a language model", "data=text or data=synthetic_lm"]),
 ])
 def test_a_checkpoint_that_does_not_fit_the_run_is_one_line(own_checkpoint, tmp_path, monkeypatch, capsys, overrides,
