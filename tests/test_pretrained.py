@@ -167,6 +167,18 @@ def test_an_untrained_step_exports_the_checkpoint_byte_for_byte(checkpoints, tmp
     assert (out / "generation_config.json").read_text() == (source / "generation_config.json").read_text()
 
 
+@pytest.mark.slow
+def test_an_untrained_step_of_two_expert_parallel_processes_exports_the_checkpoint(checkpoints, tmp_path):
+    """Two CPU processes (Gloo), each holding half the experts: the per-rank checkpoint gathers
+    into the whole model, written back byte for byte."""
+    source = checkpoints["qwen3_moe-bfloat16"]
+    run = train(tmp_path / "run", "model=hf", f"model.path={source}", "optim.lr=0", "trainer.max_steps=1",
+                "parallel.nproc_per_node=2", "parallel.strategy=expert")
+    theirs, ours = tensors(source), tensors(export(run, tmp_path / "out"))
+    assert sorted(ours) == sorted(theirs)
+    assert [name for name in theirs if not same_bytes(theirs[name], ours[name])] == []
+
+
 @pytest.mark.cuda
 def test_an_untrained_step_on_a_gpu_exports_the_checkpoint_byte_for_byte(checkpoints, tmp_path):
     """The same on CUDA: bf16 autocast, the kernels' dispatch, fused AdamW."""
