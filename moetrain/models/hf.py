@@ -533,6 +533,7 @@ def pretrained_lm(path: str, max_seq_len: int | None = None, dropout: float = 0.
                               f"of {path}: use the checkpoint's tokenizer, or one whose vocabulary fits")
     moe_kwargs = training_routing(config, lm_config) if moe_kwargs is None else moe_kwargs
     overrides = {"dropout": dropout, "moe_kwargs": moe_kwargs}
+    lm_config.replace(**overrides)  # a routing the layers refuse is the caller's error, raised here as it is
     dtypes = stored_dtypes(path, config)  # before the weights: names a truncated shard
     try:
         model = load_hf_checkpoint(path, dtype=torch.float32, max_seq_len=max_seq_len or 4096, **overrides)
