@@ -112,6 +112,7 @@ setup(
         "numpy",
         "tqdm",
         "tensorboard",
+        "safetensors",
     ],
     extras_require={"test": ["pytest>=7"]},
     entry_points={"console_scripts": ["moetrain = moetrain.cli:main"]},

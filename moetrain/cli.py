@@ -4,6 +4,7 @@
     moetrain +recipe=switch_cifar10 trainer.max_steps=2000 gate.top_k=2 optim.lr=3e-4
     moetrain -m +recipe=quickstart gate=switch,gshard
     moetrain +recipe=quickstart mode=eval quant=mxfp4 trainer.resume=runs/RUN quant.export=model.mxfp4.pt
+    moetrain model=hf model.path=CHECKPOINT_DIR data=text data.path=CORPUS
 
 This is the only module that knows Hydra. The configs ship as the package moetrain.conf (groups
 model, gate, parallel, data, optim, trainer, logger, quant) and recipes as moetrain.recipes, registered
@@ -16,6 +17,10 @@ Hydra's compose API and turns any failure into that one line. A single run is co
 config that was checked is the one run_composed hands to Hydra's job runner, which makes the run
 directory and calls `train`. A sweep's jobs are checked the same way first, then composed again
 by Hydra's sweeper, which runs them.
+
+`model=hf` starts from a Hugging Face checkpoint directory: its routing is read from model.path's
+config.json into the gate node (a second composition, under the command line's gate keys) and its
+weights are read before the run directory exists (use_checkpoint_routing, prebuild_checkpoint_model).
 
 The library raises plain errors that name settings as its Python API does (SettingError:
 `TrainerConfig.resume='x'`, a data builder's `root='data'`); in_config_keys turns them into the
@@ -66,6 +71,9 @@ from tqdm import tqdm
 
 from moetrain.config import Config, ConfigError, GateConfig, Mode, SettingError, did_you_mean, validate
 from moetrain.data import DataModule
+from moetrain.models.hf import CheckpointError as HFCheckpointError
+from moetrain.models.hf import pretrained_lm, read_pretrained_config, training_routing
+from moetrain.models.lm import LMConfig
 from moetrain.models.presets import PRESETS
 from moetrain.models.routing import flat_routing, layer_kwargs, setting_owners
 from moetrain.moe import EXPERTS, GATES
@@ -130,6 +138,8 @@ def register_configs() -> None:
     store.store(name="moetrain_schema", node=ConfigSchema)
     for name, preset in PRESETS.items():
         store.store(group="routing", name=name, node=flat_routing(preset.moe_kwargs))
+    # model=hf's routing is its checkpoint's: empty until check_command_line reads model.path.
+    store.store(group="routing", name=PRETRAINED_ROUTING, node={})
     no_settings = {key: None for key in setting_owners()}
     for name in GATES:
         store.store(group="gate", name=name, node={"type": name, **no_settings, "_target_": None})
@@ -187,8 +197,8 @@ def _omegaconf_cause(error: BaseException) -> OmegaConfBaseException | None:
     return None
 
 
-def _keys_under(parent: str, overrides: list[str]) -> list[str]:
-    """The keys a config node has once the command line's group choices are applied."""
+def _node_under(parent: str, overrides: list[str]) -> DictConfig | None:
+    """A config node as the command line's group choices make it (without its keys' overrides)."""
     parser = OverridesParser.create()
     group_choices = [
         text for text, o in zip(overrides, parser.parse_overrides(overrides)) if o.key_or_group in GROUPS + ("recipe",)
@@ -196,9 +206,15 @@ def _keys_under(parent: str, overrides: list[str]) -> list[str]:
     try:
         node = hydra.compose(config_name=CONFIG_NAME, overrides=group_choices)
         node = OmegaConf.select(node, parent) if parent else node
-    except Exception:  # the key list only improves the message; the error itself is reported anyway
-        return []
-    return list(node.keys()) if isinstance(node, DictConfig) else []
+    except Exception:  # the node only improves the message; the error itself is reported anyway
+        return None
+    return node if isinstance(node, DictConfig) else None
+
+
+def _keys_under(parent: str, overrides: list[str]) -> list[str]:
+    """The keys a config node has once the command line's group choices are applied."""
+    node = _node_under(parent, overrides)
+    return list(node.keys()) if node is not None else []
 
 
 def _explain(error: Exception, overrides: list[str]) -> str:
@@ -212,6 +228,10 @@ def _explain(error: Exception, overrides: list[str]) -> str:
     cause = _omegaconf_cause(error)
     if isinstance(cause, (ConfigKeyError, ConfigAttributeError)) and cause.full_key:
         parent, _, leaf = cause.full_key.rpartition(".")
+        if parent == "model" and leaf in FIXED_BY_CHECKPOINT:
+            model = _node_under("model", overrides)
+            if model is not None and model.get("_target_") == PRETRAINED_TARGET:
+                return _fixed_by_checkpoint(leaf)
         keys = _keys_under(parent, overrides)
         where = parent or "the top level"
         message = f"unknown key '{cause.full_key}'"
@@ -325,7 +345,13 @@ def checked(cfg: DictConfig) -> Config:
     if "recipe" in cfg:
         raise ConfigError(f"'recipe' is not a config key: apply a recipe with +recipe=NAME ({'|'.join(recipe_names())})")
     config: Config = OmegaConf.to_object(cfg)
-    validate(config, FORMATS)
+    checkpoint_config = None
+    if config.model.get("_target_") == PRETRAINED_TARGET:
+        checkpoint_config = read_checkpoint_config(config.model.get("path"))[1]
+        fixed = [key for key in config.model if key in FIXED_BY_CHECKPOINT]
+        if fixed:
+            raise ConfigError(_fixed_by_checkpoint(fixed[0]))
+    validate(config, FORMATS, num_experts=checkpoint_config.num_experts if checkpoint_config else None)
     try:
         layer_kwargs(dataclasses.asdict(config.gate))
     except ValueError as error:
@@ -366,11 +392,15 @@ def check_command_line(overrides: list[str], multirun: bool, config_dir: str | N
         except HydraException:
             runs = []  # a sweep only a sweeper plugin can expand: each job checks its own config
     _PREBUILT_DATA.clear()  # only this command line's data sets
+    _PREBUILT_MODELS.clear()
     with hydra.initialize_config_module(config_module=CONFIG_MODULE, version_base="1.3"):
-        built = set()
+        built, routings, loaded = {}, {}, set()
         for run in runs:
             try:
                 composed = hydra.compose(config_name=CONFIG_NAME, overrides=list(run), return_hydra_config=True)
+                if use_checkpoint_routing(composed, routings):  # model=hf: the gate node starts from DIR's routing
+                    composed = hydra.compose(config_name=CONFIG_NAME, overrides=list(run), return_hydra_config=True)
+                    apply_checkpoint_tokenizer(composed)
                 output_dir = _output_dir(composed, multirun)  # ${now:...} is resolved once per composed config
                 cfg = copy.deepcopy(composed)
                 with open_dict(cfg):
@@ -390,10 +420,19 @@ def check_command_line(overrides: list[str], multirun: bool, config_dir: str | N
             check_resume_path(config.trainer.resume)
             key = _data_key(config)
             if build_data and key not in built:
-                built.add(key)
                 data = _build_data(config)
+                built[key] = (data.task, data.model_inputs)
                 if not multirun:  # the run itself uses it (a sweep's jobs build their own)
                     _PREBUILT_DATA[key] = data
+            if build_data and config.model.get("_target_") == PRETRAINED_TARGET:
+                # The weights are read now, so that a damaged checkpoint fails before the run directory
+                # exists (a sweep reads each checkpoint once); a one-process run trains this very model.
+                checkpoint_key = repr(sorted(config.model.items()))
+                if checkpoint_key not in loaded or not multirun:
+                    loaded.add(checkpoint_key)
+                    model = prebuild_checkpoint_model(config, *built[key])
+                    if not multirun:
+                        _PREBUILT_MODELS[_model_key(config)] = model
     return None if multirun else composed
 
 
@@ -487,6 +526,113 @@ def _build_data(config: Config) -> DataModule:
     return _instantiate("data", config.data)
 
 
+# ---- starting from a published checkpoint (model=hf) -----------------------------------------------
+PRETRAINED_TARGET = "moetrain.models.hf.pretrained_lm"
+PRETRAINED_ROUTING = "hf"  # conf/model/hf.yaml's routing option: the checkpoint's, once model.path is read
+# A checkpoint's config.json fixes its architecture: of LMConfig's fields only these are the run's.
+PRETRAINED_OPEN_KEYS = ("max_seq_len", "dropout")
+FIXED_BY_CHECKPOINT = tuple(f.name for f in dataclasses.fields(LMConfig) if f.name not in PRETRAINED_OPEN_KEYS)
+
+
+def _fixed_by_checkpoint(key: str) -> str:
+    routing = "; the routing changes with gate.KEY=VALUE" if key == "moe_kwargs" else ""
+    return (f"model.{key} is fixed by the checkpoint (model=hf takes its architecture from model.path's config.json, "
+            f"and the weights have its sizes): remove model.{key}{routing}; a run from a checkpoint sets "
+            "model.path, model.max_seq_len, model.dropout, gate.*, optim.*, trainer.* and parallel.*")
+
+
+def read_checkpoint_config(path) -> tuple[dict, LMConfig]:
+    """config.json of model.path and the architecture it gives, checked; ConfigError naming the key."""
+    if path is None:
+        raise ConfigError("model=hf starts from a Hugging Face checkpoint: set model.path=DIR (a folder with "
+                          "config.json and *.safetensors)")
+    try:
+        return read_pretrained_config(str(path))
+    except HFCheckpointError as error:
+        raise ConfigError(f"model.path: {_one_line(error)}") from None
+
+
+def use_checkpoint_routing(composed: DictConfig, routings: dict[str, dict]) -> bool:
+    """For model=hf, register its checkpoint's routing (with the balance loss its config.json names)
+    as conf/model/hf.yaml's routing option, so that composing again puts it under the command
+    line's gate keys; True when the caller must compose again. `routings`: the checkpoints of this
+    command line so far (a sweep's jobs share the one option, so they must agree)."""
+    model = composed.model
+    if model.get("_target_") != PRETRAINED_TARGET:
+        return False
+    path = None if OmegaConf.is_missing(model, "path") else model.path
+    hf_config, lm_config = read_checkpoint_config(path)
+    routing = flat_routing(training_routing(hf_config, lm_config))
+    others = {other: their for other, their in routings.items() if their != routing}
+    if others:
+        raise ConfigError(f"model.path={path} and model.path={next(iter(others))} route differently, and one command "
+                          "line composes one checkpoint routing: run one command per checkpoint")
+    routings[str(path)] = routing
+    ConfigStore.instance().store(group="routing", name=PRETRAINED_ROUTING, node=routing)
+    return True
+
+
+def checkpoint_tokenizer(model_path: str, tokenizer: str | None) -> str | None:
+    """data.tokenizer of a run that starts from a checkpoint directory: the one the user set, else
+    the checkpoint's own (its directory, when it holds tokenizer.json), else None: byte-level text,
+    whose 257 ids must then fit the checkpoint's embedding (prebuild_checkpoint_model checks)."""
+    if tokenizer is not None:
+        return tokenizer
+    return model_path if (Path(model_path).expanduser() / "tokenizer.json").is_file() else None
+
+
+def apply_checkpoint_tokenizer(composed: DictConfig) -> None:
+    """model=hf with a data option that reads text through a tokenizer (it has data.tokenizer): the
+    checkpoint's own tokenizer unless data.tokenizer names one."""
+    if "tokenizer" in composed.data:
+        composed.data.tokenizer = checkpoint_tokenizer(str(composed.model.path), composed.data.tokenizer)
+
+
+def prebuild_checkpoint_model(config: Config, task: str, model_inputs: dict) -> torch.nn.Module:
+    """model=hf's model with its weights (what the run builds), read before the run directory exists:
+    the data must be language modelling whose vocabulary fits the checkpoint's embedding and whose
+    sequences fit its positions; a missing, truncated or misshapen weight is a ConfigError."""
+    path = config.model["path"]
+    hf_config, lm_config = read_checkpoint_config(path)
+    if task != "language_modeling":
+        raise ConfigError(f"model=hf is a language model but data._target_={config.data['_target_']} is a {task} data "
+                          "set: choose language-model data (data=text or data=synthetic_lm)")
+    vocab_size = model_inputs.get("vocab_size")
+    if vocab_size is not None and vocab_size > lm_config.vocab_size:
+        raise ConfigError(
+            f"the data's {vocab_size} token ids do not fit model.path={path}'s embedding of "
+            f"{lm_config.vocab_size} (its vocab_size): train on text encoded by the checkpoint's own tokenizer "
+            f"(data.tokenizer=TOKENIZER), or on token ids below {lm_config.vocab_size}")
+    key = "model.max_seq_len" if "max_seq_len" in config.model else "data.seq_len"
+    seq_len = config.model.get("max_seq_len", model_inputs.get("max_seq_len"))
+    positions = hf_config.get("max_position_embeddings")
+    if seq_len is not None and positions is not None and seq_len > positions:
+        raise ConfigError(f"{key}={seq_len} is longer than the {positions} positions of model.path={path} "
+                          f"(its max_position_embeddings): set {key}={positions} or less")
+    try:
+        return _instantiate_checkpoint_model(config, model_inputs)
+    except HFCheckpointError as error:  # says what and where, and how to fix it
+        raise ConfigError(f"model.path: {_one_line(error)}") from None
+    except OSError as error:
+        raise ConfigError(f"model.path={path}: cannot read {error.filename or 'the checkpoint'}: "
+                          f"{error.strerror or error}: fix the path or its permissions") from None
+
+
+def _instantiate_checkpoint_model(config: Config, model_inputs: dict) -> torch.nn.Module:
+    """pretrained_lm called as build_model calls the model node's _target_ (the same arguments)."""
+    arguments = {key: value for key, value in config.model.items() if not (key.startswith("_") and key.endswith("_"))}
+    inputs = {key: value for key, value in model_inputs.items() if key not in arguments}
+    return pretrained_lm(**arguments, **inputs, moe_kwargs=layer_kwargs(dataclasses.asdict(config.gate)))
+
+
+# The model that check_command_line built for model=hf, handed to the run: key -> model.
+_PREBUILT_MODELS: dict[str, torch.nn.Module] = {}
+
+
+def _model_key(config: Config) -> str:
+    return repr((sorted(config.model.items()), dataclasses.asdict(config.gate), _data_key(config)))
+
+
 # ---- the run ------------------------------------------------------------------------------------
 def _instantiate(group: str, node: dict, **kwargs):
     try:
@@ -516,6 +662,9 @@ def build(config: Config) -> tuple[DataModule, torch.nn.Module]:
 
 
 def build_model(config: Config, data: DataModule) -> torch.nn.Module:
+    prebuilt = _PREBUILT_MODELS.pop(_model_key(config), None)
+    if prebuilt is not None:
+        return prebuilt
     model_inputs = {key: value for key, value in data.model_inputs.items() if key not in config.model}
     return _instantiate("model", config.model, **model_inputs, moe_kwargs=layer_kwargs(dataclasses.asdict(config.gate)))
 
@@ -530,6 +679,11 @@ def train(cfg: DictConfig, run_dir: Path, distributed: bool = False) -> dict:
     # (its --help and its bad-input errors included) would otherwise wait for.
     from moetrain.parallel.training import Distributed  # noqa: PLC0415
 
+    bias_update_rate = layer_kwargs(dataclasses.asdict(config.gate))["gate_kwargs"].get("bias_update_rate")
+    if config.optim.lr == 0 and bias_update_rate:
+        # The balancing bias follows the routing's load, not the optimizer (DeepSeek-V3's rule): said, not changed.
+        log.warning("optim.lr=0 leaves the weights as they are, but the routers' balancing bias still moves by "
+                    "gate.bias_update_rate=%g per step: add gate.bias_update_rate=0 to keep it too", bias_update_rate)
     data, model = build(config)
     log.info("model %s: %.2fM parameters", config.model["_target_"], sum(p.numel() for p in model.parameters()) / 1e6)
     trainer = Trainer(
@@ -704,6 +858,8 @@ def _report_sigterm(stopped: WorkersTerminated, run_dir: Path) -> typing.NoRetur
 
 def _launch(cfg: DictConfig, run_dir: Path) -> None:
     """One process, N spawned workers (parallel.nproc_per_node), or this rank of a torchrun job."""
+    if cfg.model.get("_target_") == PRETRAINED_TARGET:
+        apply_checkpoint_tokenizer(cfg)  # a sweep's jobs, which Hydra's sweeper composed
     config = checked(cfg)
     # torchrun tells its processes their place through the environment (only the CLI reads it).
     torchrun = int(os.environ.get("WORLD_SIZE", "1")) > 1
@@ -719,6 +875,7 @@ def _launch(cfg: DictConfig, run_dir: Path) -> None:
     timeout_s = config.parallel.timeout_s
     if not torchrun:
         _PREBUILT_DATA.clear()  # each worker builds its own
+        _PREBUILT_MODELS.clear()
         try:
             spawn(_spawned_worker, config.parallel.nproc_per_node, args=(cfg, run_dir), backend=backend,
                   timeout_s=timeout_s)

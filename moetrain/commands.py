@@ -63,7 +63,7 @@ usage: moetrain [+recipe=NAME] [GROUP=OPTION] [KEY=VALUE ...]   train (the confi
        moetrain generate RUN_DIR --prompt TEXT [--max-tokens N] [--temperature T] [--top-k K] [--top-p P] [--seed S]
                                        generate text from a language-model run, printed as it comes
        moetrain export RUN_DIR OUT_DIR [--format qwen3_moe|deepseek_v3|mixtral|kimi_k2]
-                                       write a language-model run as a Hugging Face checkpoint
+                                       write a language-model run as a Hugging Face checkpoint, with its tokenizer
        moetrain --version              versions, and which compiled kernels are built and run here
        moetrain COMMAND --help         a command's options (all of them: --step N picks a checkpoint)
 """
@@ -145,12 +145,14 @@ def _parsers() -> dict[str, argparse.ArgumentParser]:
                           help="seeds the draws (default: a fresh one, printed on stderr afterwards)")
 
     export = command(
-        "export", "Write a language-model run's model as a Hugging Face checkpoint (config.json and safetensors) "
-                  "that transformers and moetrain.models.load_hf_checkpoint load with the same logits.")
+        "export", "Write a language-model run's model as a Hugging Face checkpoint (config.json and safetensors, "
+                  "and the run's tokenizer files) that transformers and moetrain.models.load_hf_checkpoint load with "
+                  "the same logits. A run that started from a checkpoint (model=hf) is written as that checkpoint's "
+                  "model_type, each tensor in its dtype there.")
     export.add_argument("out_dir", metavar="OUT_DIR", type=Path, help="a new or empty folder")
     export.add_argument("--format", choices=EXPORTABLE, default=None,
-                        help="the architecture to write (default: the first of " + ", ".join(ARCHITECTURES)
-                             + " the model matches)")
+                        help="the architecture to write (default: that of the checkpoint a model=hf run started "
+                             "from, else the first of " + ", ".join(ARCHITECTURES) + " the model matches)")
     export.add_argument("--allow-dropless", action="store_true",
                         help="export a run trained with an expert capacity, whose tokens Hugging Face's models never "
                              "drop (their logits differ wherever the run dropped a token)")

@@ -247,22 +247,28 @@ def _validate_finite(node, path: str) -> None:
             )
 
 
-def validate(cfg: Config, quant_formats: Sequence[str]) -> None:
+def validate(cfg: Config, quant_formats: Sequence[str], num_experts: int | None = None) -> None:
     """Checks across keys and on value ranges; raises ConfigError with a one-line fix. quant_formats:
-    the expert weight formats moetrain.quant knows (given by the caller: this module imports no other)."""
+    the expert weight formats moetrain.quant knows (given by the caller: this module imports no other).
+    num_experts: the model's experts per MoE layer where its config.json, not model.num_experts, says
+    (model=hf: a checkpoint's, read by the caller)."""
     gate, trainer, optim = cfg.gate, cfg.trainer, cfg.optim
     _validate_name(cfg.name)
     for group in ("gate", "parallel", "optim", "trainer", "logger", "quant"):
         _validate_finite(getattr(cfg, group), group)
     _require(gate.top_k >= 1, f"gate.top_k must be >= 1, got {gate.top_k}")
-    num_experts = cfg.model.get("num_experts")
-    if isinstance(num_experts, int):
+    stated = cfg.model.get("num_experts")
+    if isinstance(stated, int):
+        num_experts, experts_key = stated, f"model.num_experts={stated}"
         _require(num_experts >= 1, f"model.num_experts must be >= 1, got {num_experts}: give each MoE layer experts")
         _require(
             gate.top_k <= num_experts,
             f"gate.top_k={gate.top_k} exceeds model.num_experts={num_experts}: "
             f"lower gate.top_k or raise model.num_experts",
         )
+    elif num_experts is not None:
+        experts_key = f"the {num_experts} experts of model.path={cfg.model.get('path')}"
+        _require(gate.top_k <= num_experts, f"gate.top_k={gate.top_k} exceeds {experts_key}: lower gate.top_k")
     _require(gate.capacity_factor >= 0, f"gate.capacity_factor must be >= 0 (0 = dropless), got {gate.capacity_factor}")
     parallel = cfg.parallel
     _require(parallel.nproc_per_node >= 1, f"parallel.nproc_per_node must be >= 1, got {parallel.nproc_per_node}")
@@ -283,10 +289,11 @@ def validate(cfg: Config, quant_formats: Sequence[str]) -> None:
     if expert_placed and ranks > 1 and isinstance(num_experts, int):
         _require(
             num_experts % ranks == 0 if num_experts >= ranks else ranks % num_experts == 0,
-            f"model.num_experts={num_experts} cannot be sharded over parallel.nproc_per_node={ranks}: use a "
+            f"{experts_key} cannot be sharded over parallel.nproc_per_node={ranks}: use a "
             f"multiple or a divisor of {ranks} experts, or parallel.strategy=data",
         )
-    _require(optim.lr > 0, f"optim.lr must be > 0, got {optim.lr}")
+    # lr = 0 trains nothing (a check that a run reproduces its starting weights; eval-only loops).
+    _require(optim.lr >= 0, f"optim.lr must be >= 0, got {optim.lr}")
     _require(len(optim.betas) == 2, f"optim.betas must hold two numbers, got {list(optim.betas)}")
     _require(optim.warmup_steps >= 0, f"optim.warmup_steps must be >= 0, got {optim.warmup_steps}")
     _require(0 <= optim.min_lr_ratio <= 1, f"optim.min_lr_ratio must be in [0, 1], got {optim.min_lr_ratio}")

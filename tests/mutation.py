@@ -48,6 +48,7 @@ LOSS_TESTS = ("tests/test_losses.py",)
 STEP_TESTS = ("tests/test_train_step_reference.py",)
 TRAIN_TESTS = ("tests/test_train.py",)
 QUANT_TESTS = ("tests/test_quant_layer.py",)
+PRETRAINED_TESTS = ("tests/test_pretrained.py",)
 
 MUTANTS = [
     # ---- gates (the issue's: normalize ignored, jitter in eval, cosine directions, scaling factor)
@@ -221,6 +222,24 @@ MUTANTS = [
            "return collectives.all_to_all_single(rows, self.send_rows, self.recv_rows,",
            ("tests/test_fp8_exchange.py",), "results and input gradients go back in expert-major order, not in the "
            "order their rows came"),
+    # ---- training from a published checkpoint (model=hf) and writing it back
+    Mutant("export_keeps_float32_master_weights", "moetrain/models/hf.py",
+           "tensors = {name: tensor.to(source.dtypes.get(name, tensor.dtype)) for name, tensor in tensors.items()}",
+           "tensors = dict(tensors)",
+           PRETRAINED_TESTS, "a bf16 checkpoint's export is written in float32, not in its own dtype"),
+    Mutant("checkpoint_routing_not_composed", "moetrain/cli.py",
+           "ConfigStore.instance().store(group=\"routing\", name=PRETRAINED_ROUTING, node=routing)",
+           "ConfigStore.instance().store(group=\"routing\", name=PRETRAINED_ROUTING, node={})",
+           PRETRAINED_TESTS, "model=hf trains with the default gate, not the checkpoint's routing"),
+    Mutant("checkpoint_balance_weight_ignored", "moetrain/models/hf.py",
+           'routing["balance_loss_weight"] = float(weight)', "pass",
+           PRETRAINED_TESTS, "router_aux_loss_coef of config.json is not the run's balance-loss weight"),
+    Mutant("checkpoint_sizes_overridable", "moetrain/cli.py",
+           "fixed = [key for key in config.model if key in FIXED_BY_CHECKPOINT]", "fixed = []",
+           PRETRAINED_TESTS, "+model.num_experts=8 on a checkpoint is accepted"),
+    Mutant("export_drops_the_tokenizer", "moetrain/export.py",
+           "shutil.copytree(tokenizer, directory, dirs_exist_ok=True)", "pass",
+           PRETRAINED_TESTS, "moetrain export leaves the run's tokenizer files behind"),
 ]
 
 

@@ -4,6 +4,7 @@ save one the other way.
     from moetrain.models import load_hf_checkpoint, save_hf_checkpoint
     model = load_hf_checkpoint("path/to/Qwen3-30B-A3B", dtype=torch.bfloat16, device="cuda")
     save_hf_checkpoint(model, "path/to/finetuned", "qwen3_moe")
+    model = pretrained_lm("path/to/Qwen3-30B-A3B")   # to train: float32 weights, `model=hf model.path=...`
 
 Supported model_type values: qwen3_moe, mixtral, deepseek_v3 and kimi_k2 (Kimi-K2 ships the
 DeepSeek-V3 architecture under its own name). Tensors keep their HF names on disk; here each of
@@ -21,6 +22,8 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -404,6 +407,143 @@ def _reset_derived_buffers(model: MoETransformerLM) -> None:
     model.reset_rotary()
 
 
+# --- starting a training run from a checkpoint ---------------------------------------------------
+
+# How the safetensors header names the floating-point dtypes a checkpoint's weights are kept in. A
+# tensor of another dtype (the float8 of block-quantised releases) is written back in the
+# config's torch_dtype, dequantised.
+_STORED_FLOAT_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class Pretrained:
+    """Where a model built by pretrained_lm comes from, so that it can be written back in the same
+    form (save_hf_checkpoint's `source`): the checkpoint directory, its config.json, and the dtype
+    each HF tensor is written in."""
+
+    path: Path
+    config: dict
+    dtypes: dict[str, torch.dtype]
+
+    @property
+    def model_type(self) -> str:
+        return self.config["model_type"]
+
+
+def read_pretrained_config(directory: str | Path) -> tuple[dict, LMConfig]:
+    """The config.json of a checkpoint directory and the LMConfig it describes, checked before any
+    weight is read: the directory holds config.json, it parses, names a supported model_type with
+    settings moetrain implements, and every shard its model.safetensors.index.json names exists.
+    CheckpointError with one line naming the problem otherwise."""
+    directory = Path(directory).expanduser()
+    if not directory.is_dir():
+        raise CheckpointError(f"{directory} is not a directory: give the folder of a Hugging Face checkpoint "
+                              "(config.json and *.safetensors)")
+    config_path = directory / "config.json"
+    if not config_path.is_file():
+        raise CheckpointError(f"{directory} has no config.json: give the folder of a Hugging Face checkpoint "
+                              "(config.json and *.safetensors), as save_pretrained writes it")
+    try:
+        config = json.loads(config_path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise CheckpointError(f"{config_path} is not valid JSON ({error}): restore it from the checkpoint's "
+                              "source") from None
+    if not isinstance(config, dict):
+        raise CheckpointError(f"{config_path} holds a JSON {type(config).__name__}, not an object of settings: "
+                              "restore it from the checkpoint's source")
+    if config.get("model_type") not in MODEL_TYPES:
+        raise CheckpointError(f"{config_path} has model_type {config.get('model_type')!r}; moetrain builds "
+                              f"{', '.join(MODEL_TYPES)}: start from a checkpoint of one of those")
+    try:
+        lm_config = config_from_hf(config)
+    except CheckpointError as error:
+        raise CheckpointError(f"{config_path}: {error}") from None
+    index_path = directory / "model.safetensors.index.json"
+    if index_path.is_file():
+        try:
+            shards = set(json.loads(index_path.read_text())["weight_map"].values())
+        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, AttributeError):
+            raise CheckpointError(f"{index_path} is not a safetensors index (a JSON object with a weight_map): "
+                                  "restore it from the checkpoint's source") from None
+        missing = sorted(name for name in shards if not (directory / str(name)).is_file())
+        if missing:
+            raise CheckpointError(f"{directory} lacks {len(missing)} of the {len(shards)} shard(s) its "
+                                  f"{index_path.name} names: {', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''}; "
+                                  "download them again")
+    elif not any(directory.glob("*.safetensors")):
+        raise CheckpointError(f"{directory} has no *.safetensors weights (moetrain reads safetensors, not "
+                              "pytorch_model.bin): convert them or download the safetensors release")
+    return config, lm_config
+
+
+def stored_dtypes(directory: str | Path, config: dict) -> dict[str, torch.dtype]:
+    """The dtype of each tensor of a checkpoint directory, as its safetensors headers give it (no
+    tensor is read); float8 tensors and their block scales map to the config's torch_dtype. A shard
+    whose header is damaged, or whose data does not reach as far as the header says (a truncated
+    download), is a CheckpointError naming it."""
+    from safetensors import SafetensorError, safe_open  # only where a checkpoint's own dtypes are kept
+
+    written = getattr(torch, str(config.get("torch_dtype") or config.get("dtype") or "float32"))
+    dtypes = {}
+    for path in sorted(Path(directory).glob("*.safetensors")):
+        try:
+            with safe_open(str(path), framework="pt") as opened:
+                for name in opened.keys():
+                    dtypes[name] = _STORED_FLOAT_DTYPES.get(opened.get_slice(name).get_dtype(), written)
+        except SafetensorError as error:
+            raise CheckpointError(f"{path} is not a complete safetensors file ({error}): it is damaged or "
+                                  "truncated; download it again") from None
+    return dtypes
+
+
+def training_routing(config: dict, lm_config: LMConfig) -> dict:
+    """The routing to train a checkpoint with (MoELayer keyword arguments): its own, as
+    config_from_hf reads it, with the load-balancing loss its config.json names: the weight
+    router_aux_loss_coef (Qwen3-MoE, Mixtral) or aux_loss_alpha (DeepSeek-V3's own config files,
+    whose seq_aux asks for the per-sequence loss). Without one, the published value: DeepSeek-V3's
+    sequence-wise 0.0001 for its layout, transformers' router_aux_loss_coef default 0.001 otherwise."""
+    routing = dict(lm_config.moe_kwargs)
+    weight = config.get("router_aux_loss_coef", config.get("aux_loss_alpha"))
+    if not isinstance(weight, (int, float)) or isinstance(weight, bool):
+        weight = 0.0001 if lm_config.attention == "mla" else 0.001
+    routing["balance_loss_weight"] = float(weight)
+    if config.get("seq_aux"):
+        routing["balance_loss"] = "sequence"
+    return routing
+
+
+def pretrained_lm(path: str, max_seq_len: int | None = None, dropout: float = 0.0, vocab_size: int | None = None,
+                  moe_kwargs: dict | None = None) -> MoETransformerLM:
+    """The model of a Hugging Face checkpoint directory with its weights, ready to train: the
+    architecture and (without moe_kwargs) the routing of its config.json, every weight in float32
+    (the optimizer's master copy; bf16 checkpoints convert exactly, and save_hf_checkpoint writes
+    them back in their own dtype). The command's `model=hf model.path=DIR`.
+
+    max_seq_len: the longest sequence trained (the data's); at most the checkpoint's
+    max_position_embeddings. vocab_size: the data's vocabulary, which must fit the checkpoint's
+    embedding (the model keeps its own size). moe_kwargs: the routing of every MoE layer, replacing
+    the checkpoint's whole (the command passes the checkpoint's own with the user's gate.* keys)."""
+    config, lm_config = read_pretrained_config(path)
+    positions = config.get("max_position_embeddings")
+    if max_seq_len is not None and positions is not None and max_seq_len > positions:
+        raise CheckpointError(f"sequences of {max_seq_len} tokens are longer than the {positions} positions of "
+                              f"{Path(path) / 'config.json'} (max_position_embeddings): train on shorter sequences")
+    if vocab_size is not None and vocab_size > lm_config.vocab_size:
+        raise CheckpointError(f"the data's {vocab_size} token ids do not fit the {lm_config.vocab_size}-row embedding "
+                              f"of {path}: use the checkpoint's tokenizer, or one whose vocabulary fits")
+    moe_kwargs = training_routing(config, lm_config) if moe_kwargs is None else moe_kwargs
+    overrides = {"dropout": dropout, "moe_kwargs": moe_kwargs}
+    lm_config.replace(**overrides)  # a routing the layers refuse is the caller's error, raised here as it is
+    dtypes = stored_dtypes(path, config)  # before the weights: names a truncated shard
+    try:
+        model = load_hf_checkpoint(path, dtype=torch.float32, max_seq_len=max_seq_len or 4096, **overrides)
+    except ValueError as error:  # CheckpointError included: a tensor missing, left over, misshapen or unreadable
+        raise CheckpointError(f"{path}: {' '.join(str(error).split())}: its weights do not fit its config.json; "
+                              "download the checkpoint again (or fix config.json)") from None
+    model.pretrained = Pretrained(Path(path), config, dtypes)
+    return model.train()
+
+
 # --- writing ----------------------------------------------------------------------------------
 
 
@@ -462,17 +602,39 @@ def hf_config(config: LMConfig, model_type: str) -> dict:
     }
 
 
+# Settings of a source checkpoint's config.json that moetrain's model does not hold as the checkpoint
+# has them (its max_seq_len is the trained sequence length): written back as they were.
+_SOURCE_KEEPS = ("max_position_embeddings", "sliding_window")
+
+
 def save_hf_checkpoint(model: MoETransformerLM, directory: str | Path, model_type: str,
-                       max_shard_bytes: int = 5 * 2**30) -> None:
+                       max_shard_bytes: int = 5 * 2**30, source: Pretrained | None = None) -> None:
     """Write config.json, *.safetensors shards (HF parameter names) and their index, which
-    load_hf_checkpoint and the HF implementations of `model_type` read."""
+    load_hf_checkpoint and the HF implementations of `model_type` read.
+
+    source: the checkpoint the model was started from (pretrained_lm sets `model.pretrained`), of
+    this model_type. Each tensor is then written in the dtype it has there (float32 master weights
+    of a bf16 checkpoint go back to bf16: untrained ones bit for bit), and config.json keeps the
+    source's other keys (token ids, architectures, max_position_embeddings) beside moetrain's,
+    which say the architecture and routing; a quantization_config goes, as the weights are
+    written dequantised. The source's generation_config.json (its decoding defaults) is copied."""
     directory = Path(directory)
     config = hf_config(model.config, model_type)
     state = model.state_dict()
     tensors = {}
     for ours, (names, _, split) in hf_sources(model, model_type).items():
         tensors.update((name, tensor.detach().cpu().contiguous()) for name, tensor in zip(names, split(state[ours])))
-    config["torch_dtype"] = str(model.embed.weight.dtype).removeprefix("torch.")  # what load_hf_checkpoint builds in
+    if source is not None:
+        if source.model_type != model_type:
+            raise CheckpointError(f"the model comes from a {source.model_type} checkpoint ({source.path}): write it as "
+                                  f"{source.model_type}, or without its source to write {model_type}")
+        tensors = {name: tensor.to(source.dtypes.get(name, tensor.dtype)) for name, tensor in tensors.items()}
+        kept = {key: source.config[key] for key in _SOURCE_KEEPS if key in source.config}
+        config = {key: value for key, value in source.config.items() if key != "quantization_config"} | config | kept
+    # What load_hf_checkpoint builds in; transformers 5 reads "dtype", earlier versions "torch_dtype".
+    config["torch_dtype"] = str(tensors["model.embed_tokens.weight"].dtype).removeprefix("torch.")
+    if "dtype" in config:
+        config["dtype"] = config["torch_dtype"]
     shards: list[dict] = [{}]
     shard_bytes = 0
     for name, tensor in tensors.items():
@@ -491,3 +653,5 @@ def save_hf_checkpoint(model: MoETransformerLM, directory: str | Path, model_typ
         weight_map.update(dict.fromkeys(shard, file_name))
     index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in tensors.values())}, "weight_map": weight_map}
     (directory / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+    if source is not None and (source.path / "generation_config.json").is_file():
+        shutil.copyfile(source.path / "generation_config.json", directory / "generation_config.json")
