@@ -167,7 +167,7 @@ def _parsers() -> dict[str, argparse.ArgumentParser]:
                           "holds runs, so --trust says you trust where they come from.", 100))
     convert.add_argument("path", metavar="RUN_DIR|CHECKPOINT", type=Path,
                          help="a run directory (every checkpoint in it), a step_N.pt file or a step_N/ directory")
-    convert.add_argument("--trust", action="store_true", required=True,
+    convert.add_argument("--trust", action="store_true",
                          help="required: you trust these files to run no harmful code while they are read")
     return {"eval": evaluate, "generate": generate, "export": export, "convert-checkpoint": convert}
 
@@ -340,6 +340,9 @@ def run_convert_checkpoint(args) -> None:
     from moetrain.parallel import checkpoint as shards  # torch.distributed only for multi-process checkpoints
     from moetrain.parallel import sharded_checkpoint as sharded
 
+    if not args.trust:
+        raise ConfigError(f"convert-checkpoint loads {args.path} in full, which runs any code a crafted file holds: "
+                          "add --trust if you trust where it comes from (every other command refuses such files)")
     if not args.path.exists():
         raise ConfigError(f"{args.path} does not exist: give a run directory, a step_N.pt file or a step_N/ directory")
     converted = 0

@@ -181,7 +181,7 @@ def _read(entry: Path) -> dict:
         # DCP (parallel=fsdp|fsdp_expert): the trainer's state now, the weights once the model is built.
         sharded.verify(entry)
         loaded = sharded.load({"model": {}, "trainer": sharded.blob(None)}, entry, distributed=False)
-        return {**sharded.unblob(loaded["trainer"]), _SHARDED_WEIGHTS: entry}
+        return {**loaded["trainer"], _SHARDED_WEIGHTS: entry}
 
     try:
         return shards.consolidate(shards.load_shards(str(entry)))

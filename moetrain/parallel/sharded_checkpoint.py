@@ -49,7 +49,7 @@ from torch.distributed.checkpoint import filesystem as dcp_filesystem
 from torch.distributed.checkpoint import metadata as dcp_metadata
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
@@ -239,6 +239,8 @@ class DataOnlyLoadPlanner(DefaultLoadPlanner):
 
     def load_bytes(self, read_item, value: io.BytesIO) -> None:
         loaded = checkpoint.load_data_only(value, self.directory)
+        if isinstance(loaded, bytes):  # a blob(): the object it holds, data only as well
+            loaded = checkpoint.load_data_only(io.BytesIO(loaded), self.directory)
         if self.flatten_state_dict:
             set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], loaded)
         else:
@@ -301,31 +303,36 @@ def named_optimizer_state(optimizer: torch.optim.Optimizer, model: nn.Module) ->
     }
 
 
-def blob(value) -> io.BytesIO:
-    """An object DCP stores as one opaque item (loading gives the object back), whatever its
-    structure: the trainer's extras and random states must not become DCP keys of their own."""
+def blob(value) -> bytes:
+    """An object DCP stores as one opaque item, whatever its structure (the trainer's extras and
+    random states must not become DCP keys of their own): its torch.save bytes, which load()
+    gives back as the object (DataOnlyLoadPlanner reads them data-only). A blob(None) in a load
+    request stands for the item to read."""
     buffer = io.BytesIO()
     torch.save(value, buffer)
-    buffer.seek(0)
-    return buffer
+    return buffer.getvalue()
 
 
-def unblob(value):
-    """The object a blob() held, once loaded (DCP reads a blob back into the stream it is given)."""
-    if isinstance(value, io.BytesIO):
-        value.seek(0)
-        return checkpoint.load_data_only(value, Path("a sharded checkpoint's item"))
-    return value
-
-
-def _bytes_items(directory: Path, reader: FileSystemReader, planner_class, **planner_options) -> dict:
-    """Every non-tensor item of a DCP checkpoint, by its DCP key, read by `reader` and `planner_class`."""
-    metadata = reader.read_metadata()
-    request = {key: io.BytesIO() for key, item in metadata.state_dict_metadata.items()
+def _bytes_items(reader: FileSystemReader, planner: DefaultLoadPlanner) -> dict:
+    """Every non-tensor item of a DCP checkpoint by its DCP key, read by `reader` and `planner` (which
+    must not flatten: the request is DCP's keys already)."""
+    request = {key: blob(None) for key, item in reader.read_metadata().state_dict_metadata.items()
                if isinstance(item, dcp_metadata.BytesStorageMetadata)}
-    planner = planner_class(flatten_state_dict=False, flatten_sharded_tensors=False, **planner_options)
     dcp.load(request, storage_reader=reader, planner=planner, no_dist=True)
     return planner.state_dict
+
+
+_FLAT = dict(flatten_state_dict=False, flatten_sharded_tensors=False)
+
+
+def _trusted_item(value):
+    """A non-tensor item loaded in full, data-only: a blob (an earlier moetrain stored it as a pickled
+    BytesIO) again as a blob of the object it holds, made data-only; any other item as it is, made so."""
+    if isinstance(value, io.BytesIO):
+        value = value.getvalue()
+    if isinstance(value, bytes):
+        return blob(checkpoint.safe_form(torch.load(io.BytesIO(value), weights_only=False)))
+    return checkpoint.safe_form(value)
 
 
 def convert_trusted(directory: Path) -> bool:
@@ -337,7 +344,7 @@ def convert_trusted(directory: Path) -> bool:
     directory = Path(directory)
     verify(directory)
     try:
-        _bytes_items(directory, DataOnlyReader(str(directory)), DataOnlyLoadPlanner, directory=directory)
+        _bytes_items(DataOnlyReader(str(directory)), DataOnlyLoadPlanner(directory, **_FLAT))
         return False
     except UnsafeCheckpointError:
         pass
@@ -346,17 +353,17 @@ def convert_trusted(directory: Path) -> bool:
             raise CheckpointError(f"{directory} does not load ({' '.join(str(error).split())[:300]})") from None
     trusted = FileSystemReader(str(directory))  # the user's word: DCP's own reader, in full
     metadata = trusted.read_metadata()
-    state = {key: checkpoint.safe_form(value) for key, value in
-             _bytes_items(directory, FileSystemReader(str(directory)), DefaultLoadPlanner).items()}
+    state = {key: _trusted_item(value) for key, value in
+             _bytes_items(FileSystemReader(str(directory)), DefaultLoadPlanner(**_FLAT)).items()}
     checkpoint.check_data_only(state, directory)
-    state = {key: blob(value) for key, value in state.items()}  # each stays one item, as it was saved
     tensors = {key: torch.empty(item.size, dtype=item.properties.dtype)
                for key, item in metadata.state_dict_metadata.items()
                if isinstance(item, dcp_metadata.TensorStorageMetadata)}
-    dcp.load(tensors, storage_reader=trusted, planner=DefaultLoadPlanner(flatten_state_dict=False), no_dist=True)
+    dcp.load(tensors, storage_reader=trusted, planner=DefaultLoadPlanner(**_FLAT), no_dist=True)
     converted = directory.with_name(directory.name + ".converting")
     shutil.rmtree(converted, ignore_errors=True)
-    dcp.save({**tensors, **state}, checkpoint_id=str(converted), no_dist=True)
+    dcp.save({**tensors, **state}, checkpoint_id=str(converted), no_dist=True,
+             planner=DefaultSavePlanner(**_FLAT))
     checkpoint.write_checksums(converted / MANIFEST, {path.name: checkpoint.sha256_of(path) for path in
                                                       sorted(converted.glob("*.distcp")) + [converted / METADATA]})
     replaced = directory.with_name(directory.name + ".replaced")

@@ -77,7 +77,7 @@ def unsafe(path: Path, what: str) -> UnsafeCheckpointError:
 def refused_object(error: Exception) -> str:
     """The object torch.load(weights_only=True) refused to build, from its message."""
     found = re.search(r"GLOBAL ([\w.]+)", str(error))
-    return f"a {found.group(1)} object" if found else "an object that is not a tensor, container or number"
+    return f"a reference to {found.group(1)}" if found else "an object that is not a tensor, container or number"
 
 
 def load_data_only(source, path: Path, **kwargs):

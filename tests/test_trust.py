@@ -1,0 +1,257 @@
+"""Nothing in a file runs: checkpoints a user is handed are loaded as data only.
+
+A tiny language-model run is trained once per module by the moetrain command. Its checkpoint is
+then planted with a pickled object whose __reduce__ would create a marker file, in each place a
+run directory can carry one: a one-process step_N.pt, one rank's file of a per-rank step_N/, an
+item of a sharded (DCP) step_N/ and DCP's own .metadata, each with its checksum rewritten to match
+(a checksum proves a file whole, not harmless). Resume, eval, generate, export and load_run must
+refuse each with one line (exit 2) or a clear exception, and the marker must never appear; the
+same payload loaded in full does create it, so the test can tell.
+
+A checkpoint of an earlier moetrain (random states as Python's and NumPy's tuples) is refused
+with the line naming `moetrain convert-checkpoint --trust`, which rewrites it: the converted one
+loads with the same tensors, and its random states draw the same numbers as the originals.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import pickle
+import random
+import shutil
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from moetrain import cli
+from moetrain.parallel import sharded_checkpoint as sharded
+from moetrain.parallel.training import _named_optimizer_state
+from moetrain.run import RunError, load_run
+from moetrain.train import checkpoint
+from moetrain.train.checkpoint import UnsafeCheckpointError
+
+TINY_LM = ["+recipe=qwen3_moe_lm", "data.seq_len=16", "data.batch_size=4", "data.eval_batch_size=4",
+           "data.train_size=32", "data.eval_size=8", "trainer.max_steps=2", "trainer.checkpoint_every=2",
+           "trainer.eval_every=0", "trainer.progress_bar=false", "logger=none"]
+STEP = "step_00000002"
+
+
+class Payload:
+    """What an attacker pickles: loading it in full runs `touch MARKER`."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)
+
+
+def in_process(argv: list[str], monkeypatch) -> None:
+    monkeypatch.setattr(sys, "argv", ["moetrain", *argv])
+    cli.main()
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory) -> Path:
+    run_dir = tmp_path_factory.mktemp("trust") / "run"
+    with pytest.MonkeyPatch.context() as patch:
+        in_process([*TINY_LM, f"hydra.run.dir={run_dir}", "hydra/job_logging=none", "hydra/hydra_logging=none"],
+                   patch)
+    return run_dir
+
+
+@pytest.fixture(scope="module")
+def model(trained) -> torch.nn.Module:
+    return load_run(trained).model
+
+
+def _rewrite(path: Path, state) -> None:
+    """torch.save `state` to a checkpoint file with its .sha256 rewritten to match."""
+    torch.save(state, path)
+    checkpoint.write_checksums(checkpoint.checksum_path(path), {path.name: checkpoint.sha256_of(path)})
+
+
+def _old_rng(state: dict) -> dict:
+    """A random state in the form an earlier moetrain saved (Python's and NumPy's own tuples)."""
+    python, numpy = state["python"], state["numpy"]
+    return {**state, "python": (python["version"], tuple(python["state"].tolist()), python["gauss_next"]),
+            "numpy": (numpy["kind"], numpy["key"].numpy().astype(np.uint32), numpy["position"], numpy["has_gauss"],
+                      numpy["cached_gaussian"])}
+
+
+def _dcp_checkpoint(state: dict, directory: Path, model: torch.nn.Module, trainer=None, rng=None) -> None:
+    """The trainer's state as a sharded (DCP) checkpoint as moetrain.parallel.training writes it (one
+    process here), with its SHA256SUMS; `trainer` / `rng` replace those items' contents. `model`: the
+    run's, which names the optimizer's parameters."""
+    keys = ("step", "skipped_steps", "data", "config", "metrics")
+    items = {"model": state["model"], "optimizer": _named_optimizer_state(state["optimizer"], model),
+             "trainer": sharded.blob(trainer if trainer is not None else {key: state[key] for key in keys}),
+             sharded.rng_key(0): sharded.blob(rng if rng is not None else state["rng"])}
+    dcp.save(items, checkpoint_id=str(directory), no_dist=True)
+    _rewrite_manifest(directory)
+
+
+def _rewrite_manifest(directory: Path) -> None:
+    files = sorted(directory.glob("*.distcp")) + [directory / sharded.METADATA]
+    checkpoint.write_checksums(directory / checkpoint.MANIFEST, {p.name: checkpoint.sha256_of(p) for p in files})
+
+
+def _saved(trained: Path) -> dict:
+    return torch.load(trained / "checkpoints" / f"{STEP}.pt", weights_only=True)
+
+
+def _planted(trained: Path, model: torch.nn.Module, tmp_path: Path, where: str) -> Path:
+    """A copy of the run whose only checkpoint carries the payload in `where`."""
+    run_dir = tmp_path / "planted"
+    shutil.copytree(trained, run_dir)
+    folder, marker = run_dir / "checkpoints", tmp_path / "MARKER"
+    file = folder / f"{STEP}.pt"
+    state = torch.load(file, weights_only=True)
+    if where == "file":
+        _rewrite(file, {**state, "metrics": {"eval/loss": Payload(marker)}})
+        return run_dir
+    file.unlink()
+    checkpoint.checksum_path(file).unlink()
+    step_dir = folder / STEP
+    if where == "rank file":
+        step_dir.mkdir()
+        name = "rank00000-of-00001.pt"
+        torch.save({**state, "rng": Payload(marker)}, step_dir / name)
+        checkpoint.write_checksums(step_dir / checkpoint.MANIFEST, {name: checkpoint.sha256_of(step_dir / name)})
+    elif where == "dcp item":
+        keys = ("step", "skipped_steps", "data", "config")
+        _dcp_checkpoint(state, step_dir, model, trainer={**{key: state[key] for key in keys}, "metrics": Payload(marker)})
+    elif where == "dcp metadata":
+        _dcp_checkpoint(state, step_dir, model)
+        (step_dir / sharded.METADATA).write_bytes(pickle.dumps(Payload(marker)))
+        _rewrite_manifest(step_dir)
+    return run_dir
+
+
+PLACES = ["file", "rank file", "dcp item", "dcp metadata"]
+
+
+def test_the_payload_runs_when_loaded_in_full(tmp_path):
+    """The control: the payload is live, so its marker's absence below means it was not run."""
+    buffer = io.BytesIO()
+    torch.save({"metrics": Payload(tmp_path / "MARKER")}, buffer)
+    buffer.seek(0)
+    torch.load(buffer, weights_only=False)
+    assert (tmp_path / "MARKER").exists()
+
+
+@pytest.mark.parametrize("where", PLACES)
+def test_load_run_refuses_a_planted_checkpoint(trained, model, tmp_path, where):
+    run_dir = _planted(trained, model, tmp_path, where)
+    with pytest.raises(RunError, match="convert-checkpoint --trust") as refused:
+        load_run(run_dir)
+    assert "os.system" in str(refused.value) or "posix.system" in str(refused.value)
+    assert not (tmp_path / "MARKER").exists()
+
+
+COMMANDS = {
+    "eval": lambda run: ["eval", str(run)],
+    "generate": lambda run: ["generate", str(run), "--prompt", "1 2 3", "--max-tokens", "2"],
+    "export": lambda run: ["export", str(run), str(run.parent / "exported")],
+    "resume": lambda run: [*TINY_LM, "trainer.max_steps=3", f"trainer.resume={run}",
+                           f"hydra.run.dir={run.parent / 'resumed'}", "hydra/job_logging=none",
+                           "hydra/hydra_logging=none"],
+}
+
+
+@pytest.mark.parametrize("where", PLACES)
+@pytest.mark.parametrize("command", list(COMMANDS))
+def test_every_command_refuses_a_planted_checkpoint(trained, model, tmp_path, monkeypatch, capsys, command, where):
+    if command in ("generate", "export") and where in ("rank file", "dcp metadata"):
+        pytest.skip("generate and export read checkpoints through load_run, as eval does: eval covers these places")
+    run_dir = _planted(trained, model, tmp_path, where)
+    with pytest.raises(SystemExit) as exit_info:
+        in_process(COMMANDS[command](run_dir), monkeypatch)
+    assert exit_info.value.code == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith("moetrain: error: ") and "system" in line and "convert-checkpoint --trust" in line, line
+    assert not (tmp_path / "MARKER").exists()
+    assert not (tmp_path / "exported").exists()
+
+
+def test_the_saved_random_states_are_data_and_restore_exactly():
+    random.seed(3)
+    np.random.seed(4)
+    torch.manual_seed(5)
+    random.gauss(0, 1), np.random.normal()  # a cached Gaussian each: part of the state too
+    buffer = io.BytesIO()
+    torch.save(checkpoint.rng_state(), buffer)
+    expected = (random.random(), random.gauss(0, 1), np.random.rand(3).tolist(), np.random.normal(), torch.rand(3))
+    buffer.seek(0)
+    checkpoint.set_rng_state(torch.load(buffer, weights_only=True))
+    drawn = (random.random(), random.gauss(0, 1), np.random.rand(3).tolist(), np.random.normal(), torch.rand(3))
+    assert drawn[:4] == expected[:4] and torch.equal(drawn[4], expected[4])
+
+
+def _draws(state: dict) -> tuple:
+    checkpoint.set_rng_state(state)
+    return random.random(), np.random.rand(4).tolist(), torch.rand(2).tolist()
+
+
+def test_an_old_checkpoint_is_refused_then_converted_on_trust(trained, tmp_path, monkeypatch, capsys):
+    run_dir = tmp_path / "old"
+    shutil.copytree(trained, run_dir)
+    file = run_dir / "checkpoints" / f"{STEP}.pt"
+    state = torch.load(file, weights_only=True)
+    old_rng = _old_rng(state["rng"])
+    _rewrite(file, {**state, "rng": old_rng})
+    with pytest.raises(RunError, match=f"numpy.*convert-checkpoint --trust {run_dir}"):
+        load_run(run_dir)
+    with pytest.raises(SystemExit) as exit_info:  # without --trust: nothing is loaded, nothing written
+        in_process(["convert-checkpoint", str(run_dir)], monkeypatch)
+    assert exit_info.value.code == 2 and "add --trust" in capsys.readouterr().err
+    in_process(["convert-checkpoint", "--trust", str(run_dir)], monkeypatch)
+    assert f"{file}: converted to data only" in capsys.readouterr().out
+    converted = checkpoint.load(file)  # its checksum was rewritten with it
+    for key, value in state["model"].items():
+        assert torch.equal(converted["model"][key], value)
+    assert converted["step"] == state["step"] and converted["data"] == state["data"]
+    assert converted["config"] == state["config"] and converted["metrics"] == state["metrics"]
+    random.setstate(old_rng["python"])
+    np.random.set_state(old_rng["numpy"])
+    torch.set_rng_state(old_rng["torch"])
+    expected = random.random(), np.random.rand(4).tolist(), torch.rand(2).tolist()
+    assert _draws(converted["rng"]) == expected
+    assert load_run(run_dir).step == 2
+    in_process(["convert-checkpoint", "--trust", str(run_dir)], monkeypatch)  # a second time: nothing to do
+    assert "data only already" in capsys.readouterr().out
+
+
+def test_an_old_sharded_checkpoint_is_converted_on_trust(trained, model, tmp_path, monkeypatch, capsys):
+    state = _saved(trained)
+    run_dir = tmp_path / "old"
+    (run_dir / "checkpoints").mkdir(parents=True)
+    step_dir = run_dir / "checkpoints" / STEP
+    _dcp_checkpoint(state, step_dir, model, rng=_old_rng(state["rng"]))
+    assert load_run(run_dir).step == 2  # what load_run reads (weights, the trainer item) is data: it loads
+    with pytest.raises(UnsafeCheckpointError, match="convert-checkpoint --trust"):  # resuming reads the rng item
+        sharded.load({"model": {}, sharded.rng_key(0): sharded.blob(None)}, step_dir, distributed=False)
+    in_process(["convert-checkpoint", "--trust", str(step_dir)], monkeypatch)
+    assert "converted to data only" in capsys.readouterr().out
+    sharded.verify(step_dir)  # a new SHA256SUMS
+    loaded = sharded.load({"model": {key: torch.zeros_like(value) for key, value in state["model"].items()},
+                           "trainer": sharded.blob(None), sharded.rng_key(0): sharded.blob(None)}, step_dir,
+                          distributed=False)
+    for key, value in state["model"].items():
+        assert torch.equal(loaded["model"][key], value)
+    assert loaded["trainer"]["config"] == state["config"]
+    assert _draws(loaded[sharded.rng_key(0)]) == _draws(state["rng"])
+    assert not list(step_dir.parent.glob("*.converting")) and not list(step_dir.parent.glob("*.replaced"))
+
+
+def test_a_planted_checkpoint_is_not_converted_without_running_it_first(trained, model, tmp_path, monkeypatch, capsys):
+    """--trust is the user's word: without it nothing is loaded, so the payload stays inert."""
+    run_dir = _planted(trained, model, tmp_path, "file")
+    with pytest.raises(SystemExit):
+        in_process(["convert-checkpoint", str(run_dir)], monkeypatch)
+    assert not (tmp_path / "MARKER").exists()
