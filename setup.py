@@ -110,6 +110,7 @@ setup(
         "hydra-core>=1.3.2",
         "omegaconf>=2.3",
         "numpy",
+        "safetensors>=0.4",
         "tqdm",
         "tensorboard",
     ],
