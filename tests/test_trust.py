@@ -11,6 +11,10 @@ same payload loaded in full does create it, so the test can tell.
 A checkpoint of an earlier moetrain (random states as Python's and NumPy's tuples) is refused
 with the line naming `moetrain convert-checkpoint --trust`, which rewrites it: the converted one
 loads with the same tensors, and its random states draw the same numbers as the originals.
+
+CIFAR-10's batches are pickles too: one planted the same way is refused whether its checksums are
+checked or not, while batches of every pickle protocol read back as they were written. An image
+folder too small for one batch is one line, not a traceback.
 """
 
 from __future__ import annotations
@@ -27,8 +31,11 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from image_folders import write_class_folders
 
 from moetrain import cli
+from moetrain.config import SettingError
+from moetrain.data import image_folder, images
 from moetrain.parallel import sharded_checkpoint as sharded
 from moetrain.parallel.training import _named_optimizer_state
 from moetrain.run import RunError, load_run
@@ -257,3 +264,52 @@ def test_a_planted_checkpoint_is_not_converted_without_running_it_first(trained,
     with pytest.raises(SystemExit):
         in_process(["convert-checkpoint", str(run_dir)], monkeypatch)
     assert not (tmp_path / "MARKER").exists()
+
+
+# ---- CIFAR-10's pickled batches ----------------------------------------------------------------
+
+
+def _fabricated_batch(seed: int) -> dict:
+    rng = np.random.default_rng(seed)
+    return {"batch_label": "fabricated", "labels": rng.integers(0, 10, 4).tolist(),
+            "data": rng.integers(0, 256, (4, 3 * 32 * 32), dtype=np.uint8), "filenames": ["a.png"] * 4}
+
+
+@pytest.mark.parametrize("protocol", [2, 4, 5])
+def test_cifar_batches_of_every_pickle_protocol_read_back(tmp_path, protocol):
+    """What real batches (protocol 2, written by Python 2) and re-pickled ones hold reads back as it was."""
+    batch = _fabricated_batch(protocol)
+    path = tmp_path / "data_batch_1"
+    path.write_bytes(pickle.dumps(batch, protocol=protocol))
+    read = images._read_batch(str(path))
+    assert read.keys() == batch.keys() and read["labels"] == batch["labels"]
+    assert read["data"].dtype == np.uint8 and np.array_equal(read["data"], batch["data"])
+
+
+def _planted_cifar(cifar10_root: Path, tmp_path: Path) -> tuple[Path, Path]:
+    root, marker = tmp_path / "cifar", tmp_path / "MARKER"
+    shutil.copytree(cifar10_root, root)
+    path = root / "cifar-10-batches-py" / "data_batch_4"
+    batch = pickle.loads(path.read_bytes())
+    batch["filenames"] = Payload(marker)
+    path.write_bytes(pickle.dumps(batch))
+    return root, marker
+
+
+def test_a_planted_cifar_batch_is_refused_checked_or_not(cifar10_root, tmp_path):
+    root, marker = _planted_cifar(cifar10_root, tmp_path)
+    with pytest.raises(SettingError, match="data_batch_4 is not a pickled CIFAR-10 batch .*system, which a CIFAR-10"):
+        images.cifar10(str(root), download=False, verify_checksums=False)
+    with pytest.raises(SettingError, match="fails its checksums"):  # the published MD5s: refused before reading
+        images.cifar10(str(root), download=False, verify_checksums=True)
+    assert not marker.exists()
+    pickle.loads((root / "cifar-10-batches-py" / "data_batch_4").read_bytes())  # the control: it is live
+    assert marker.exists()
+
+
+def test_an_image_folder_smaller_than_one_batch_is_one_line(tmp_path):
+    write_class_folders(tmp_path / "few", per_class=3)  # 3 classes: 6 to train on, 3 held out
+    with pytest.raises(ValueError, match=r"has 6 training image\(s\) once 3 are held out for evaluation, fewer than "
+                                         r"one batch of batch_size=7: add images, or set batch_size=6 or less"):
+        image_folder(str(tmp_path / "few"), image_size=4, batch_size=7)
+    assert len(image_folder(str(tmp_path / "few"), image_size=4, batch_size=6).train_set) == 6

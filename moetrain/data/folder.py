@@ -135,6 +135,8 @@ def image_folder(
         raise ValueError(f"channels={channels!r}: must be 3 (RGB) or 1 (grey)")
     if isinstance(crop_padding, bool) or not isinstance(crop_padding, int) or crop_padding < 0:
         raise ValueError(f"crop_padding={crop_padding!r}: must be an integer >= 0 (0 = no random crop)")
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size={batch_size!r}: must be an integer >= 1")
     if eval_path is None and not 0 < eval_fraction < 1:
         raise ValueError(f"eval_fraction={eval_fraction}: must be in (0, 1) when eval_path=None")
     root = os.path.abspath(os.path.expanduser(path))
@@ -157,6 +159,10 @@ def image_folder(
                              f"(training classes: {', '.join(classes)}): the subfolder names must match")
         eval_images, eval_labels, eval_paths = _decode_all(eval_samples, image_size, channels,
                                                            [classes.index(name) for name in eval_classes])
+    if len(images) < batch_size:  # training draws whole batches: not one could be drawn
+        held = f" once {len(eval_images)} are held out for evaluation" if eval_path is None else ""
+        raise ValueError(f"path={root!r} has {len(images)} training image(s){held}, fewer than one batch of "
+                         f"batch_size={batch_size}: add images, or set batch_size={len(images)} or less")
     from torchvision import transforms
 
     mean, std = channel_statistics(images)
