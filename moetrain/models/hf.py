@@ -323,7 +323,8 @@ HF_KEYS = {"vocab_size": ("vocab_size",), "dim": ("hidden_size",), "depth": ("nu
            "num_shared_experts": ("n_shared_experts",), "moe_every": ("decoder_sparse_step",),
            "first_dense": ("first_k_dense_replace",)}
 MLA_SIZES = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")  # MLA only
-MAX_CONFIG_BYTES = 1 << 24  # a config.json is a few kB: larger is not one
+MAX_CONFIG_BYTES = 1 << 24
+EMBEDDING = "model.embed_tokens.weight"  # [vocab_size, hidden_size] in every supported layout  # a config.json is a few kB: larger is not one
 
 
 def _check_sizes(config: LMConfig, hf_config: dict, tensors: dict[str, SafetensorsFile], directory: Path) -> None:
@@ -345,10 +346,10 @@ def _check_sizes(config: LMConfig, hf_config: dict, tensors: dict[str, Safetenso
         if value > max(largest, 1):
             raise CheckpointError(f"{directory}/config.json gives {key}={value}, larger than any tensor dimension "
                                   f"in its weight files ({largest}): the config does not describe these weights")
-    embedding = shapes.get("model.embed_tokens.weight")
+    embedding = shapes.get(EMBEDDING)
     if embedding is not None and embedding != [config.vocab_size, config.dim]:
         raise CheckpointError(f"{directory}/config.json gives vocab_size={config.vocab_size}, hidden_size={config.dim}, "
-                              f"but model.embed_tokens.weight is {embedding}: the config does not describe these weights")
+                              f"but {EMBEDDING} is {embedding}: the config does not describe these weights")
     if config.depth > len(layers):
         raise CheckpointError(f"{directory}/config.json gives num_hidden_layers={config.depth}, but the weight files "
                               f"hold {len(layers)} layer(s): the config does not describe these weights")
@@ -427,11 +428,17 @@ def load_hf_checkpoint(
                 f"the config implies {tuple(planned[ours].shape)}"
             )
 
+    def get(name: str) -> torch.Tensor:
+        try:
+            return tensors[name].get(name)
+        except ValueError as error:  # a dtype torch cannot hold
+            raise CheckpointError(str(error)) from None
+
     def read(name: str) -> torch.Tensor:
-        tensor = tensors[name].get(name)
+        tensor = get(name)
         scale_name = name[: -len("weight")] + "weight_scale_inv"
         if scale_name in tensors:
-            tensor = _dequantize_block_fp8(tensor, tensors[scale_name].get(scale_name), block)
+            tensor = _dequantize_block_fp8(tensor, get(scale_name), block)
         return tensor
 
     # Allocate on the target device only now, then copy each parameter in (keeping the Parameter
