@@ -36,6 +36,7 @@ from image_folders import write_class_folders
 from moetrain import cli
 from moetrain.config import SettingError
 from moetrain.data import image_folder, images
+from moetrain.parallel import checkpoint as shards
 from moetrain.parallel import sharded_checkpoint as sharded
 from moetrain.parallel.training import _named_optimizer_state
 from moetrain.run import RunError, load_run
@@ -256,6 +257,27 @@ def test_an_old_sharded_checkpoint_is_converted_on_trust(trained, model, tmp_pat
     assert loaded["trainer"]["config"] == state["config"]
     assert _draws(loaded[sharded.rng_key(0)]) == _draws(state["rng"])
     assert not list(step_dir.parent.glob("*.converting")) and not list(step_dir.parent.glob("*.replaced"))
+
+
+def test_an_old_per_rank_checkpoint_is_converted_on_trust(trained, tmp_path, monkeypatch, capsys):
+    state = _saved(trained)
+    step_dir = tmp_path / "old" / "checkpoints" / STEP
+    step_dir.mkdir(parents=True)
+    names = [f"rank{rank:05d}-of-00002.pt" for rank in range(2)]
+    for rank, name in enumerate(names):
+        old_rng = _old_rng(checkpoint.rng_state() if rank else state["rng"])
+        torch.save({**state, "rng": old_rng, "moe_parallel": {"world_size": 2, "rank": rank}}, step_dir / name)
+    checkpoint.write_checksums(step_dir / checkpoint.MANIFEST, {n: checkpoint.sha256_of(step_dir / n) for n in names})
+    with pytest.raises(UnsafeCheckpointError, match="numpy"):
+        shards.load_shards(str(step_dir))
+    in_process(["convert-checkpoint", "--trust", str(tmp_path / "old")], monkeypatch)
+    assert f"{step_dir}: converted to data only" in capsys.readouterr().out
+    loaded = shards.load_shards(str(step_dir))  # every file against the new SHA256SUMS
+    assert [shard["moe_parallel"]["rank"] for shard in loaded] == [0, 1]
+    for key, value in state["model"].items():
+        assert torch.equal(loaded[1]["model"][key], value)
+    assert _draws(loaded[0]["rng"]) == _draws(state["rng"])
+    assert sorted(path.name for path in step_dir.parent.iterdir()) == [STEP]
 
 
 def test_a_planted_checkpoint_is_not_converted_without_running_it_first(trained, model, tmp_path, monkeypatch, capsys):
