@@ -345,9 +345,11 @@ def run_convert_checkpoint(args) -> None:
                           "add --trust if you trust where it comes from (every other command refuses such files)")
     if not args.path.exists():
         raise ConfigError(f"{args.path} does not exist: give a run directory, a step_N.pt file or a step_N/ directory")
-    converted = 0
-    for entry in checkpoint.candidates(str(args.path), args.path)[::-1]:
-        if not checkpoint.is_complete(entry):
+    converted, entries = 0, checkpoint.candidates(str(args.path), args.path)[::-1]
+    for entry in entries:
+        if entries == [args.path]:  # the one checkpoint named: it must be complete
+            checkpoint.check_complete(entry)
+        elif not checkpoint.is_complete(entry):  # of a run directory: the others are still converted
             print(f"moetrain: warning: skipping {entry}: incomplete (the run stopped while saving it)", file=sys.stderr)
             continue
         if not entry.is_dir():

@@ -244,11 +244,7 @@ def convert_trusted(directory: str) -> bool:
         shutil.rmtree(converted)
         return False
     checkpoint.write_checksums(converted / MANIFEST, {**digests, **changed})
-    replaced = source.with_name(source.name + ".replaced")
-    shutil.rmtree(replaced, ignore_errors=True)
-    source.rename(replaced)
-    converted.rename(source)
-    shutil.rmtree(replaced)
+    checkpoint.replace_directory(source, converted)
     return True
 
 

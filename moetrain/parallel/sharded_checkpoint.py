@@ -36,6 +36,7 @@ states were NumPy and Python objects, once the user says they trust it.
 from __future__ import annotations
 
 import io
+import pathlib
 import pickle
 import shutil
 from pathlib import Path
@@ -193,8 +194,13 @@ def _metadata_globals() -> dict[tuple[str, str], object]:
     allowed[("torch", "Size")] = torch.Size
     allowed[("torch.serialization", "_get_layout")] = torch.serialization._get_layout
     allowed.update((("torch", name), value) for name, value in vars(torch).items() if isinstance(value, torch.dtype))
-    allowed.update((("pathlib", cls.__name__), cls) for cls in (Path().__class__, Path, type(Path().as_posix())))
+    allowed.update((("pathlib", cls.__name__), cls) for cls in (pathlib.Path, pathlib.PosixPath, pathlib.PurePosixPath,
+                                                                pathlib.WindowsPath, pathlib.PureWindowsPath))
     return allowed
+
+
+class _Refused(pickle.UnpicklingError):
+    """A global that DCP's metadata does not name (so the file is not harmless DCP metadata)."""
 
 
 class _MetadataUnpickler(pickle.Unpickler):
@@ -205,7 +211,7 @@ class _MetadataUnpickler(pickle.Unpickler):
             _MetadataUnpickler.allowed = _metadata_globals()
         found = self.allowed.get((module, name))
         if found is None:
-            raise pickle.UnpicklingError(f"GLOBAL {module}.{name}")
+            raise _Refused(f"GLOBAL {module}.{name}")
         return found
 
 
@@ -218,9 +224,9 @@ class DataOnlyReader(FileSystemReader):
         try:
             with open(path, "rb") as file:
                 metadata = _MetadataUnpickler(file).load()
-        except pickle.UnpicklingError as error:
+        except _Refused as error:
             raise checkpoint.unsafe(path, checkpoint.refused_object(error)) from None
-        except (EOFError, ValueError, TypeError, AttributeError) as error:  # bytes that are no pickle of it
+        except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError) as error:  # not a pickle of it
             raise CheckpointError(f"{path} is not DCP's metadata ({type(error).__name__}: {error})") from None
         if not isinstance(metadata, dcp_metadata.Metadata):
             raise CheckpointError(f"{path} holds a {type(metadata).__name__}, not DCP's metadata")
@@ -325,14 +331,18 @@ def _bytes_items(reader: FileSystemReader, planner: DefaultLoadPlanner) -> dict:
 _FLAT = dict(flatten_state_dict=False, flatten_sharded_tensors=False)
 
 
-def _trusted_item(value):
-    """A non-tensor item loaded in full, data-only: a blob (an earlier moetrain stored it as a pickled
-    BytesIO) again as a blob of the object it holds, made data-only; any other item as it is, made so."""
+def _trusted_item(value, directory: Path):
+    """A non-tensor item loaded in full, made data-only (checkpoint.safe_form): a blob (an earlier
+    moetrain stored it as a pickled BytesIO) again as a blob of the object it holds."""
     if isinstance(value, io.BytesIO):
         value = value.getvalue()
     if isinstance(value, bytes):
-        return blob(checkpoint.safe_form(torch.load(io.BytesIO(value), weights_only=False)))
-    return checkpoint.safe_form(value)
+        held = checkpoint.safe_form(torch.load(io.BytesIO(value), weights_only=False))
+        checkpoint.check_data_only(held, directory)
+        return blob(held)
+    value = checkpoint.safe_form(value)
+    checkpoint.check_data_only(value, directory)
+    return value
 
 
 def convert_trusted(directory: Path) -> bool:
@@ -353,9 +363,8 @@ def convert_trusted(directory: Path) -> bool:
             raise CheckpointError(f"{directory} does not load ({' '.join(str(error).split())[:300]})") from None
     trusted = FileSystemReader(str(directory))  # the user's word: DCP's own reader, in full
     metadata = trusted.read_metadata()
-    state = {key: _trusted_item(value) for key, value in
+    state = {key: _trusted_item(value, directory) for key, value in
              _bytes_items(FileSystemReader(str(directory)), DefaultLoadPlanner(**_FLAT)).items()}
-    checkpoint.check_data_only(state, directory)
     tensors = {key: torch.empty(item.size, dtype=item.properties.dtype)
                for key, item in metadata.state_dict_metadata.items()
                if isinstance(item, dcp_metadata.TensorStorageMetadata)}
@@ -366,11 +375,7 @@ def convert_trusted(directory: Path) -> bool:
              planner=DefaultSavePlanner(**_FLAT))
     checkpoint.write_checksums(converted / MANIFEST, {path.name: checkpoint.sha256_of(path) for path in
                                                       sorted(converted.glob("*.distcp")) + [converted / METADATA]})
-    replaced = directory.with_name(directory.name + ".replaced")
-    shutil.rmtree(replaced, ignore_errors=True)
-    directory.rename(replaced)
-    converted.rename(directory)
-    shutil.rmtree(replaced)
+    checkpoint.replace_directory(directory, converted)
     return True
 
 

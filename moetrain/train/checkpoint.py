@@ -85,27 +85,33 @@ def load_data_only(source, path: Path, **kwargs):
     A file needing any other object is an UnsafeCheckpointError naming `path`; nothing of it runs."""
     try:
         return torch.load(source, weights_only=True, **kwargs)
-    except pickle.UnpicklingError as error:  # the weights-only unpickler refused a global, before building it
+    except pickle.UnpicklingError as error:
+        if not refused_by_weights_only(error):
+            raise  # bytes that are no pickle at all: the caller says the file does not load
         raise unsafe(path, refused_object(error)) from None
+
+
+def refused_by_weights_only(error: pickle.UnpicklingError) -> bool:
+    """Whether torch.load(weights_only=True) refused an object (before building it), rather than bytes
+    that are no pickle at all."""
+    return "Weights only load failed" in str(error)
 
 
 # The random generators as tensors and numbers (random.getstate() and np.random.get_state() are a
 # tuple and a tuple with an array: neither loads without running code). Restoring them is exact.
 def rng_state() -> dict:
-    version, words, gauss_next = random.getstate()
-    kind, key, position, has_gauss, cached_gaussian = np.random.get_state()
-    return {
-        "python": {"version": version, "state": torch.tensor(words, dtype=torch.int64), "gauss_next": gauss_next},
-        "numpy": {"kind": kind, "key": torch.from_numpy(key.astype(np.int64)), "position": int(position),
-                  "has_gauss": int(has_gauss), "cached_gaussian": float(cached_gaussian)},
+    return plain_rng_state({
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
         "torch": torch.get_rng_state(),
         "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
-    }
+    })
 
 
 def plain_rng_state(state: dict) -> dict:
-    """rng_state()'s form of a state saved by an earlier moetrain (random.getstate()'s and
-    np.random.get_state()'s tuples); a state in that form already is returned as it is."""
+    """Python's and NumPy's random states (random.getstate()'s and np.random.get_state()'s tuples,
+    as an earlier moetrain saved them) as dicts of tensors and numbers; a state in that form already
+    is returned as it is."""
     python, numpy = state["python"], state["numpy"]
     if isinstance(python, tuple):
         version, words, gauss_next = python
@@ -310,7 +316,7 @@ def check_data_only(state, path: Path) -> None:
     buffer.seek(0)
     try:
         torch.load(buffer, weights_only=True)
-    except pickle.UnpicklingError as error:
+    except pickle.UnpicklingError as error:  # torch.save's own bytes: refused, not garbage
         raise UnsafeCheckpointError(f"{path} holds {refused_object(error)}, which has no data-only form: it cannot "
                                     "be converted; save what it holds as tensors, containers and numbers") from None
 
@@ -322,13 +328,24 @@ def convert_trusted(path: Path) -> str | None:
     caller writes the checksum file (single-process) or its step directory's SHA256SUMS."""
     verify(path)
     try:
-        torch.load(path, map_location="cpu", weights_only=True)
+        load_data_only(path, path, map_location="cpu")
         return None
-    except pickle.UnpicklingError:
+    except UnsafeCheckpointError:
         pass
     state = safe_form(torch.load(path, map_location="cpu", weights_only=False))  # trusted by the user's word
     check_data_only(state, path)
     return write(state, path)
+
+
+def replace_directory(directory: Path, converted: Path) -> None:
+    """Put the complete `converted` copy of a step directory in its place. The names used meanwhile
+    (.converting, .replaced) are no step's: nothing ever reads a half-converted checkpoint, and one
+    interrupted between the two renames leaves both complete copies beside each other."""
+    replaced = directory.with_name(directory.name + ".replaced")
+    shutil.rmtree(replaced, ignore_errors=True)
+    directory.rename(replaced)
+    converted.rename(directory)
+    shutil.rmtree(replaced)
 
 
 # ---- reading ------------------------------------------------------------------------------------
