@@ -271,8 +271,8 @@ CASES = {
          "which a CIFAR-10 batch does not hold"], prepare=planted_cifar, check=marker_absent),
     "image folder smaller than one batch": Case(
         lambda t: ["+recipe=quickstart", "data=folder", f"data.path={t / 'few'}"],
-        ["has 3 training image(s) once 3 are held out for evaluation, fewer than one batch of data.batch_size=64",
-         "set data.batch_size=3 or less"], prepare=small_image_folder),
+        ["the training set has 3 items, fewer than one batch of 64", "lower the data's batch_size"],
+        prepare=small_image_folder),
     "MNIST of garbage": Case(
         lambda t: ["+recipe=switch_mnist", f"data.root={t / 'mnist'}", "data.download=false",
                    "data.verify_checksums=false"],

@@ -13,8 +13,7 @@ with the line naming `moetrain convert-checkpoint --trust`, which rewrites it: t
 loads with the same tensors, and its random states draw the same numbers as the originals.
 
 CIFAR-10's batches are pickles too: one planted the same way is refused whether its checksums are
-checked or not, while batches of every pickle protocol read back as they were written. An image
-folder too small for one batch is one line, not a traceback.
+checked or not, while batches of every pickle protocol read back as they were written.
 """
 
 from __future__ import annotations
@@ -31,11 +30,10 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from image_folders import write_class_folders
 
 from moetrain import cli
 from moetrain.config import SettingError
-from moetrain.data import image_folder, images
+from moetrain.data import images
 from moetrain.parallel import checkpoint as shards
 from moetrain.parallel import sharded_checkpoint as sharded
 from moetrain.parallel.training import _named_optimizer_state
@@ -327,11 +325,3 @@ def test_a_planted_cifar_batch_is_refused_checked_or_not(cifar10_root, tmp_path)
     assert not marker.exists()
     pickle.loads((root / "cifar-10-batches-py" / "data_batch_4").read_bytes())  # the control: it is live
     assert marker.exists()
-
-
-def test_an_image_folder_smaller_than_one_batch_is_one_line(tmp_path):
-    write_class_folders(tmp_path / "few", per_class=3)  # 3 classes: 6 to train on, 3 held out
-    with pytest.raises(ValueError, match=r"has 6 training image\(s\) once 3 are held out for evaluation, fewer than "
-                                         r"one batch of batch_size=7: add images, or set batch_size=6 or less"):
-        image_folder(str(tmp_path / "few"), image_size=4, batch_size=7)
-    assert len(image_folder(str(tmp_path / "few"), image_size=4, batch_size=6).train_set) == 6

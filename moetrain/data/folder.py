@@ -159,10 +159,6 @@ def image_folder(
                              f"(training classes: {', '.join(classes)}): the subfolder names must match")
         eval_images, eval_labels, eval_paths = _decode_all(eval_samples, image_size, channels,
                                                            [classes.index(name) for name in eval_classes])
-    if len(images) < batch_size:  # training draws whole batches: not one could be drawn
-        held = f" once {len(eval_images)} are held out for evaluation" if eval_path is None else ""
-        raise ValueError(f"path={root!r} has {len(images)} training image(s){held}, fewer than one batch of "
-                         f"batch_size={batch_size}: add images, or set batch_size={len(images)} or less")
     from torchvision import transforms
 
     mean, std = channel_statistics(images)
