@@ -4,6 +4,7 @@
     moetrain eval RUN_DIR data.path=other.txt quant=fp8       # Hydra-style overrides of data and quant
     moetrain generate RUN_DIR --prompt "Once upon a time" --temperature 0.8 --top-p 0.95 --seed 0
     moetrain export RUN_DIR exported/ [--format qwen3_moe|deepseek_v3|mixtral|kimi_k2]
+    moetrain convert-checkpoint --trust RUN_DIR               # rewrite old checkpoints you trust as data only
     moetrain --version                                        # versions, and which kernels run here
 
 moetrain.cli's entry point hands a command line to `dispatch` before Hydra reads it: a run
@@ -48,10 +49,10 @@ from moetrain.moe import MoELayer
 from moetrain.ops import ExtensionUnavailable
 from moetrain.quant import FORMATS, QuantPolicy
 from moetrain.run import Run, RunError, load_run
-from moetrain.train import resolve_device
+from moetrain.train import checkpoint, resolve_device
 from moetrain.train.checkpoint import CheckpointError
 
-COMMANDS = ("eval", "generate", "export")
+COMMANDS = ("eval", "generate", "export", "convert-checkpoint")
 # The config groups eval's overrides may choose or change; the model is the run's own.
 EVAL_GROUPS = ("data", "quant")
 REPORTED = (ConfigError, RunError, SettingError, CheckpointError, HFCheckpointError, ExtensionUnavailable, OSError)
@@ -64,6 +65,9 @@ usage: moetrain [+recipe=NAME] [GROUP=OPTION] [KEY=VALUE ...]   train (the confi
                                        generate text from a language-model run, printed as it comes
        moetrain export RUN_DIR OUT_DIR [--format qwen3_moe|deepseek_v3|mixtral|kimi_k2]
                                        write a language-model run as a Hugging Face checkpoint, with its tokenizer
+       moetrain convert-checkpoint --trust RUN_DIR|CHECKPOINT
+                                       rewrite checkpoints you trust that hold objects other than data (those
+                                       of an earlier moetrain) as tensors, containers and numbers
        moetrain --version              versions, and which compiled kernels are built and run here
        moetrain COMMAND --help         a command's options (all of them: --step N picks a checkpoint)
 """
@@ -156,7 +160,18 @@ def _parsers() -> dict[str, argparse.ArgumentParser]:
     export.add_argument("--allow-dropless", action="store_true",
                         help="export a run trained with an expert capacity, whose tokens Hugging Face's models never "
                              "drop (their logits differ wherever the run dropped a token)")
-    return {"eval": evaluate, "generate": generate, "export": export}
+
+    convert = _Parser(prog="moetrain convert-checkpoint", formatter_class=argparse.RawDescriptionHelpFormatter,
+                      description=textwrap.fill(
+                          "Rewrite checkpoints that hold objects other than tensors, containers and numbers (the "
+                          "random states of an earlier moetrain), which every other command refuses to load, as "
+                          "data only, with new checksums. This loads them once in full: any code a crafted file "
+                          "holds runs, so --trust says you trust where they come from.", 100))
+    convert.add_argument("path", metavar="RUN_DIR|CHECKPOINT", type=Path,
+                         help="a run directory (every checkpoint in it), a step_N.pt file or a step_N/ directory")
+    convert.add_argument("--trust", action="store_true",
+                         help="required: you trust these files to run no harmful code while they are read")
+    return {"eval": evaluate, "generate": generate, "export": export, "convert-checkpoint": convert}
 
 
 # ---- eval's overrides --------------------------------------------------------------------------------
@@ -323,6 +338,36 @@ def run_export(args) -> None:
     print(f"{args.out_dir}: {model_type} checkpoint of {args.run_dir} step {run.step} ({', '.join(files)})")
 
 
+def run_convert_checkpoint(args) -> None:
+    from moetrain.parallel import checkpoint as shards  # torch.distributed only for multi-process checkpoints
+    from moetrain.parallel import sharded_checkpoint as sharded
+
+    if not args.trust:
+        raise ConfigError(f"convert-checkpoint loads {args.path} in full, which runs any code a crafted file holds: "
+                          "add --trust if you trust where it comes from (every other command refuses such files)")
+    if not args.path.exists():
+        raise ConfigError(f"{args.path} does not exist: give a run directory, a step_N.pt file or a step_N/ directory")
+    converted, entries = 0, checkpoint.candidates(str(args.path), args.path)[::-1]
+    for entry in entries:
+        if entries == [args.path]:  # the one checkpoint named: it must be complete
+            checkpoint.check_complete(entry)
+        elif not checkpoint.is_complete(entry):  # of a run directory: the others are still converted
+            print(f"moetrain: warning: skipping {entry}: incomplete (the run stopped while saving it)", file=sys.stderr)
+            continue
+        if not entry.is_dir():
+            digest = checkpoint.convert_trusted(entry)
+            if digest is not None:
+                checkpoint.write_checksums(checkpoint.checksum_path(entry), {entry.name: digest})
+            changed = digest is not None
+        elif sharded.is_sharded_checkpoint(entry):
+            changed = sharded.convert_trusted(entry)
+        else:
+            changed = shards.convert_trusted(str(entry))
+        converted += changed
+        print(f"{entry}: {'converted to data only' if changed else 'data only already, left as it is'}")
+    print(f"{converted} checkpoint(s) rewritten")
+
+
 # ---- --version --------------------------------------------------------------------------------------
 FATBIN_MAGIC = 0xBA55ED50  # a CUDA fat binary inside a shared library: the device code of each architecture
 FATBIN_PTX, FATBIN_CUBIN = 1, 2
@@ -406,7 +451,8 @@ def version_report() -> str:
 
 
 # ---- the entry --------------------------------------------------------------------------------------
-RUNNERS = {"eval": run_eval, "generate": run_generate, "export": run_export}
+RUNNERS = {"eval": run_eval, "generate": run_generate, "export": run_export,
+           "convert-checkpoint": run_convert_checkpoint}
 
 
 def dispatch(argv: list[str]) -> bool:
@@ -424,7 +470,7 @@ def dispatch(argv: list[str]) -> bool:
 
 
 def main(argv: list[str]) -> None:
-    """`moetrain eval|generate|export ...`: a mistake is one line and exit code 2."""
+    """`moetrain eval|generate|export|convert-checkpoint ...`: a mistake is one line and exit code 2."""
     logging.basicConfig(level=logging.WARNING, format="moetrain: warning: %(message)s")  # skipped checkpoints
     name, *arguments = argv
     args = _parsers()[name].parse_intermixed_args(arguments)

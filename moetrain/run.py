@@ -20,7 +20,9 @@ Where everything comes from:
   checked against SHA256SUMS, gathered into one model with every expert).
 
 With `step=None` a newer checkpoint that is incomplete or fails its checksum is skipped (with a
-warning naming it) for the newest intact one; a chosen step is loaded as it is or not at all.
+warning naming it) for the newest intact one; a chosen step is loaded as it is or not at all. A
+checkpoint holding objects other than tensors, containers and numbers is refused, never skipped
+(moetrain.train.checkpoint: nothing in a file runs).
 Every problem with the run directory is a `RunError` (a ValueError) of one line.
 """
 
@@ -179,7 +181,7 @@ def _read(entry: Path) -> dict:
         # DCP (parallel=fsdp|fsdp_expert): the trainer's state now, the weights once the model is built.
         sharded.verify(entry)
         loaded = sharded.load({"model": {}, "trainer": sharded.blob(None)}, entry, distributed=False)
-        return {**sharded.unblob(loaded["trainer"]), _SHARDED_WEIGHTS: entry}
+        return {**loaded["trainer"], _SHARDED_WEIGHTS: entry}
 
     try:
         return shards.consolidate(shards.load_shards(str(entry)))
@@ -216,6 +218,8 @@ def find_checkpoint(run_dir: str | Path, step: int | None = None) -> tuple[Path,
     for entry in reversed(entries):
         try:
             return entry, _read(entry)
+        except checkpoint.UnsafeCheckpointError as error:  # refused, not damaged: no older one instead
+            raise RunError(_one_line(error)) from None
         except checkpoint.CheckpointError as error:
             log.warning("skipping %s: %s", entry.name, _one_line(error))
             skipped.append(entry.name)

@@ -25,6 +25,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import TINY_RUN, TINY_SYNTHETIC
+from image_folders import write_class_folders
 
 MOETRAIN = str(Path(sys.executable).parent / "moetrain")
 QUICK = ["+recipe=quickstart", *TINY_RUN, *TINY_SYNTHETIC, "logger=none"]
@@ -99,6 +100,35 @@ def jsonl_corpus(tmp: Path, sources: Sources) -> Path:
     return tmp
 
 
+class MarkerPayload:
+    """A pickled object whose unpickling runs `touch MARKER`."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)
+
+
+def planted_cifar(tmp: Path, sources: Sources) -> Path:
+    """A copy of the fabricated CIFAR-10 whose data_batch_2 carries a payload among its labels."""
+    shutil.copytree(sources.cifar10_root, tmp / "cifar")
+    path = tmp / "cifar" / "cifar-10-batches-py" / "data_batch_2"
+    batch = pickle.loads(path.read_bytes())
+    batch["labels"][0] = MarkerPayload(tmp / "MARKER")
+    path.write_bytes(pickle.dumps(batch))
+    return tmp
+
+
+def marker_absent(tmp: Path) -> None:
+    assert not (tmp / "MARKER").exists()
+
+
+def small_image_folder(tmp: Path, sources: Sources) -> Path:
+    write_class_folders(tmp / "few", per_class=2)
+    return tmp
+
+
 def damaged_cifar(tmp: Path, sources: Sources) -> Path:
     """A copy of the fabricated CIFAR-10 with label 12 (of 10 classes) in data_batch_3."""
     shutil.copytree(sources.cifar10_root, tmp / "cifar")
@@ -149,7 +179,7 @@ def step_2_survives(tmp: Path) -> None:
         "step_00000002.pt", "step_00000002.pt.sha256"]
     digest = (folder / "step_00000002.pt.sha256").read_text().split()[0]
     assert hashlib.sha256((folder / "step_00000002.pt").read_bytes()).hexdigest() == digest
-    assert torch.load(folder / "step_00000002.pt", weights_only=False)["step"] == 2
+    assert torch.load(folder / "step_00000002.pt", weights_only=True)["step"] == 2
 
 
 def nothing_at(*relative: str) -> Callable[[Path], None]:
@@ -234,6 +264,15 @@ CASES = {
                    "data.verify_checksums=false"],
         ["cifar-10-batches-py/data_batch_3 has 1 labels outside the 10 classes 0..9 (the first: 12 of image 5)"],
         prepare=damaged_cifar),
+    "CIFAR-10 batch carrying a pickled payload": Case(
+        lambda t: ["+recipe=switch_cifar10", f"data.root={t / 'cifar'}", "data.download=false",
+                   "data.verify_checksums=false"],
+        ["cifar-10-batches-py/data_batch_2 is not a pickled CIFAR-10 batch", "posix.system",
+         "which a CIFAR-10 batch does not hold"], prepare=planted_cifar, check=marker_absent),
+    "image folder smaller than one batch": Case(
+        lambda t: ["+recipe=quickstart", "data=folder", f"data.path={t / 'few'}"],
+        ["the training set has 3 items, fewer than one batch of 64", "lower the data's batch_size"],
+        prepare=small_image_folder),
     "MNIST of garbage": Case(
         lambda t: ["+recipe=switch_mnist", f"data.root={t / 'mnist'}", "data.download=false",
                    "data.verify_checksums=false"],

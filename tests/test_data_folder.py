@@ -14,10 +14,11 @@ from image_folders import write_class_folders
 from omegaconf import OmegaConf
 
 from moetrain import cli
-from moetrain.config import LoggerConfig, OptimConfig, TrainerConfig
+from moetrain.config import LoggerConfig, OptimConfig, SettingError, TrainerConfig
 from moetrain.data import image_folder
 from moetrain.models import VisionMoE
 from moetrain.train import Trainer, seed_everything
+from moetrain.train.stream import BatchStream
 
 CLASSES = ["blue", "green", "red"]  # sorted: class i is the i-th name
 
@@ -163,3 +164,17 @@ def test_the_command_trains_on_data_folder(tmp_path, monkeypatch):
     cli.main()
     metrics = json.loads((tmp_path / "run" / "metrics.json").read_text())
     assert metrics["step"] == 2 and 0.0 <= metrics["eval/accuracy"] <= 1.0
+
+
+def test_a_folder_smaller_than_one_batch_builds_but_does_not_train(tmp_path):
+    """Evaluation can use a folder of any size; training needs one whole batch: a SettingError of one
+    line (the command's exit code 2), not a traceback, and the same for every batch size it lacks."""
+    write_class_folders(tmp_path / "few", per_class=3)  # 3 classes: 6 images to train on, 3 held out
+    for batch_size in (7, 64):
+        data = image_folder(str(tmp_path / "few"), image_size=4, batch_size=batch_size)
+        assert len(data.train_set) == 6 and len(data.eval_set) == 3
+        with pytest.raises(SettingError, match=f"the training set has 6 items, fewer than one batch of {batch_size}: "
+                                               "lower the data's batch_size"):
+            BatchStream(data.train_set, data.batch_size, num_workers=0, seed=0)
+    images_BCSS, labels_B = next(iter(BatchStream(data.train_set, 6, num_workers=0, seed=0)))
+    assert images_BCSS.shape == (6, 3, 4, 4) and labels_B.shape == (6,)

@@ -135,6 +135,8 @@ def image_folder(
         raise ValueError(f"channels={channels!r}: must be 3 (RGB) or 1 (grey)")
     if isinstance(crop_padding, bool) or not isinstance(crop_padding, int) or crop_padding < 0:
         raise ValueError(f"crop_padding={crop_padding!r}: must be an integer >= 0 (0 = no random crop)")
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size={batch_size!r}: must be an integer >= 1")
     if eval_path is None and not 0 < eval_fraction < 1:
         raise ValueError(f"eval_fraction={eval_fraction}: must be in (0, 1) when eval_path=None")
     root = os.path.abspath(os.path.expanduser(path))

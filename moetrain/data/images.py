@@ -1,8 +1,13 @@
 """CIFAR-10 and MNIST through torchvision: its download code, its on-disk formats, our checks.
 
 With `download=False` a missing data set is a SettingError naming `root` and the fix.
-`verify_checksums=True` (the default) checks every file against torchvision's published MD5s;
-turn it off only for files you made yourself (the tests fabricate small data sets this way).
+`verify_checksums=True` (the default) checks every file against torchvision's published MD5s
+(the archive's while downloading, then every batch file's) before reading it; turn it off only
+for files you made yourself (the tests fabricate small data sets this way).
+
+CIFAR-10's batches are Python pickles, which can run code when unpickled. Beyond the checksums,
+they are read by an unpickler that builds only NumPy arrays, lists, dicts, strings and numbers
+(_BatchUnpickler), so a file that is not CIFAR-10's, checked or not, cannot run anything.
 """
 
 from __future__ import annotations
@@ -26,6 +31,72 @@ def _torchvision():
     from torchvision import datasets, transforms
 
     return datasets, transforms
+
+
+def _array_globals() -> dict[tuple[str, str], object]:
+    """The functions and types a pickled NumPy array names (found from an array's own pickling, so
+    under NumPy 1's module names and NumPy 2's), and the bytes helper of protocol-2 pickles."""
+    import codecs
+
+    allowed = {("_codecs", "encode"): codecs.encode, ("numpy", "ndarray"): np.ndarray, ("numpy", "dtype"): np.dtype}
+    for protocol in (2, 5):
+        function = np.zeros(1).__reduce_ex__(protocol)[0]
+        for module in {function.__module__, function.__module__.replace("numpy._core", "numpy.core"),
+                       function.__module__.replace("numpy.core", "numpy._core")}:
+            allowed[(module, function.__name__)] = function
+    return allowed
+
+
+class _BatchUnpickler(pickle.Unpickler):
+    """Unpickles what a CIFAR-10 batch holds and nothing else: dicts, lists, strings and numbers (no
+    globals needed) and NumPy arrays; any other global (a function a crafted file would call) is refused."""
+
+    allowed: dict | None = None
+
+    def find_class(self, module: str, name: str):
+        if _BatchUnpickler.allowed is None:
+            _BatchUnpickler.allowed = _array_globals()
+        found = self.allowed.get((module, name))
+        if found is None:
+            raise pickle.UnpicklingError(f"it names {module}.{name}, which a CIFAR-10 batch does not hold")
+        return found
+
+
+def _read_batch(path: str):
+    with open(path, "rb") as file:
+        return _BatchUnpickler(file, encoding="latin1").load()
+
+
+def _cifar10_class(datasets, verify_checksums: bool):
+    """torchvision's CIFAR10 (its download, its checksums when verify_checksums), reading its
+    pickled batches with _read_batch only."""
+    from torchvision.datasets.utils import check_integrity
+    from torchvision.datasets.vision import VisionDataset
+
+    base = datasets.CIFAR10 if verify_checksums else _unverified_cifar10(datasets)
+
+    class CIFAR10(base):
+        def __init__(self, root: str, train: bool = True, download: bool = False):
+            VisionDataset.__init__(self, root)
+            self.train = train
+            if download:
+                self.download()
+            if not self._check_integrity():  # each file's published MD5 (only its presence, unverified)
+                raise RuntimeError("Dataset not found or corrupted")
+            batches = [_read_batch(os.path.join(self.root, self.base_folder, name))
+                       for name, _ in (self.train_list if train else self.test_list)]
+            self.data = np.vstack([batch["data"] for batch in batches]).reshape(-1, 3, 32, 32).transpose((0, 2, 3, 1))
+            self.targets = [label for batch in batches for label in batch["labels"]]
+            self._load_meta()
+
+        def _load_meta(self) -> None:
+            path = os.path.join(self.root, self.base_folder, self.meta["filename"])
+            if not check_integrity(path, self.meta["md5"]):
+                raise RuntimeError("Dataset metadata file not found or corrupted")
+            self.classes = _read_batch(path)[self.meta["key"]]
+            self.class_to_idx = {name: index for index, name in enumerate(self.classes)}
+
+    return CIFAR10
 
 
 def _unverified_cifar10(datasets):
@@ -54,8 +125,7 @@ def _download_failed(name: str, root: str, folder: str, error: Exception) -> Set
 def _cifar_file_problem(path: str, meta: bool) -> str | None:
     """What is wrong with one file of cifar-10-batches-py, or None (run only after a failure)."""
     try:
-        with open(path, "rb") as file:
-            entry = pickle.load(file, encoding="latin1")
+        entry = _read_batch(path)
     except OSError as error:
         return f"cannot be read ({error.strerror})"
     except Exception as error:  # pickle raises many kinds on garbage bytes
@@ -66,7 +136,7 @@ def _cifar_file_problem(path: str, meta: bool) -> str | None:
         names = entry.get("label_names")
         return None if isinstance(names, list) and len(names) == 10 else "has no list of 10 label_names"
     data, labels = entry.get("data"), entry.get("labels")
-    if not isinstance(data, np.ndarray) or data.ndim != 2 or data.shape[1] != 3 * 32 * 32:
+    if not isinstance(data, np.ndarray) or data.dtype != np.uint8 or data.ndim != 2 or data.shape[1] != 3 * 32 * 32:
         return f"has no 'data' array of N x 3072 bytes (got {getattr(data, 'shape', type(data).__name__)})"
     if not isinstance(labels, list) or len(labels) != len(data):
         return f"has {len(labels) if isinstance(labels, list) else 'no'} labels for {len(data)} images"
@@ -107,7 +177,7 @@ def cifar10(
     """
     root = _root(root)
     datasets, transforms = _torchvision()
-    dataset_class = datasets.CIFAR10 if verify_checksums else _unverified_cifar10(datasets)
+    dataset_class = _cifar10_class(datasets, verify_checksums)
     try:
         train = dataset_class(root, train=True, download=download)
         test = dataset_class(root, train=False, download=False)

@@ -296,17 +296,66 @@ def hf_sources(model: MoETransformerLM, model_type: str) -> dict[str, tuple[list
 
 
 def _open_checkpoint(directory: Path) -> dict[str, SafetensorsFile]:
+    """Every tensor name -> its file, each file's header checked (moetrain.models.safetensors_format)."""
     files = sorted(directory.glob("*.safetensors"))
     if not files:
         raise CheckpointError(f"no *.safetensors files in {directory}")
     where: dict[str, SafetensorsFile] = {}
     for path in files:
-        opened = SafetensorsFile(path)
+        try:
+            opened = SafetensorsFile(path)
+        except ValueError as error:
+            raise CheckpointError(str(error)) from None
         for name in opened.names():
             if name in where:
                 raise CheckpointError(f"tensor {name!r} is in both {where[name].path.name} and {path.name}")
             where[name] = opened
     return where
+
+
+# The LMConfig fields that size the model: each is checked against the weight files before anything
+# is built, so that a config.json claiming hidden_size=10**9 costs no memory (nor a model of 10**9 layers).
+SIZES = ("vocab_size", "dim", "depth", "num_heads", "num_experts", "expert_hidden_size", "dense_hidden_size",
+         "num_kv_heads", "head_dim", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
+         "v_head_dim", "num_shared_experts", "moe_every", "first_dense")
+# Where config.json gives each (the first key present; the field's own name otherwise).
+HF_KEYS = {"vocab_size": ("vocab_size",), "dim": ("hidden_size",), "depth": ("num_hidden_layers",),
+           "num_heads": ("num_attention_heads",), "num_kv_heads": ("num_key_value_heads",),
+           "num_experts": ("num_experts", "num_local_experts", "n_routed_experts"),
+           "expert_hidden_size": ("moe_intermediate_size", "intermediate_size"), "dense_hidden_size": ("intermediate_size",),
+           "num_shared_experts": ("n_shared_experts",), "moe_every": ("decoder_sparse_step",),
+           "first_dense": ("first_k_dense_replace",)}
+MLA_SIZES = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")  # MLA only
+MAX_CONFIG_BYTES = 1 << 24
+EMBEDDING = "model.embed_tokens.weight"  # [vocab_size, hidden_size] in every supported layout  # a config.json is a few kB: larger is not one
+
+
+def _check_sizes(config: LMConfig, hf_config: dict, tensors: dict[str, SafetensorsFile], directory: Path) -> None:
+    """Refuse sizes the weight files cannot back: the embedding must be [vocab_size, hidden_size] as
+    config.json says, there must be as many layers as num_hidden_layers, and no size can exceed the
+    largest dimension of any tensor in the files (every size is one of them, or a factor of one)."""
+    shapes = {name: file.shape(name) for name, file in tensors.items()}
+    largest = max((size for shape in shapes.values() for size in shape), default=0)
+    layers = {int(m.group(1)) for name in shapes if (m := re.match(r"model\.layers\.(\d+)\.", name))}
+    for field in SIZES:
+        value = getattr(config, field)
+        unused = (field in MLA_SIZES and config.attention != "mla") or \
+            (field == "dense_hidden_size" and not config.first_dense and config.moe_every == 1)  # no dense block
+        if unused or (value is None and field in ("dense_hidden_size", "num_kv_heads", "head_dim", "q_lora_rank")):
+            continue
+        key = next((key for key in HF_KEYS.get(field, ()) if key in hf_config), field)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise CheckpointError(f"{directory}/config.json gives {key}={value!r}: it must be a whole number >= 0")
+        if value > max(largest, 1):
+            raise CheckpointError(f"{directory}/config.json gives {key}={value}, larger than any tensor dimension "
+                                  f"in its weight files ({largest}): the config does not describe these weights")
+    embedding = shapes.get(EMBEDDING)
+    if embedding is not None and embedding != [config.vocab_size, config.dim]:
+        raise CheckpointError(f"{directory}/config.json gives vocab_size={config.vocab_size}, hidden_size={config.dim}, "
+                              f"but {EMBEDDING} is {embedding}: the config does not describe these weights")
+    if config.depth > len(layers):
+        raise CheckpointError(f"{directory}/config.json gives num_hidden_layers={config.depth}, but the weight files "
+                              f"hold {len(layers)} layer(s): the config does not describe these weights")
 
 
 def _dequantize_block_fp8(weight: torch.Tensor, scale_inv: torch.Tensor, block: list[int]) -> torch.Tensor:
@@ -332,21 +381,30 @@ def load_hf_checkpoint(
     config_path = directory / "config.json"
     if not config_path.is_file():
         raise CheckpointError(f"{directory} has no config.json")
+    if config_path.stat().st_size > MAX_CONFIG_BYTES:
+        raise CheckpointError(f"{config_path} is {config_path.stat().st_size} bytes: not a model's config.json")
     try:
         hf_config = json.loads(config_path.read_text())
+        if not isinstance(hf_config, dict):
+            raise CheckpointError(f"it holds a JSON {type(hf_config).__name__}, not an object")
         config = config_from_hf(hf_config, max_seq_len)
-    except (CheckpointError, json.JSONDecodeError) as error:
-        raise CheckpointError(f"{config_path}: {error}") from None
+    except (CheckpointError, json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise CheckpointError(f"{config_path}: {' '.join(str(error).split())}") from None
+    except TypeError as error:  # a size given as a string, a list, ...
+        raise CheckpointError(f"{config_path} has a setting of the wrong type ({error})") from None
     if overrides:
         config = config.replace(**overrides)
     if dtype is None:
         dtype = getattr(torch, str(hf_config.get("torch_dtype") or hf_config.get("dtype") or "float32"))
     model_type = hf_config["model_type"]
 
+    # The weight files' headers first: the sizes config.json claims are checked against them before
+    # the model is built, and every tensor's shape before any memory is allocated.
+    tensors = _open_checkpoint(directory)
+    _check_sizes(config, hf_config, tensors, directory)
     with torch.device("meta"):
         model = MoETransformerLM(config)
     sources = hf_sources(model, model_type)
-    tensors = _open_checkpoint(directory)
 
     # DeepSeek-V3 ships its multi-token-prediction module as extra layers after the last one.
     mtp_layer = re.compile(r"model\.layers\.(\d+)\.")
@@ -364,12 +422,26 @@ def load_hf_checkpoint(
             parts.append(f"{len(unexpected)} unexpected tensor(s): {', '.join(unexpected[:8])}{' ...' if len(unexpected) > 8 else ''}")
         raise CheckpointError(f"checkpoint {directory} does not fit {model_type} ({config.depth} layers): " + "; ".join(parts))
     block = (hf_config.get("quantization_config") or {}).get("weight_block_size", [128, 128])
+    planned = model.state_dict()  # on the meta device: shapes only
+    for ours, (names, combine, _) in sources.items():
+        value = combine([torch.empty(tensors[name].shape(name), device="meta") for name in names])
+        if value.shape != planned[ours].shape:
+            raise CheckpointError(
+                f"tensor(s) {names[0]}{' ...' if len(names) > 1 else ''} give {ours} shape {tuple(value.shape)}, "
+                f"the config implies {tuple(planned[ours].shape)}"
+            )
+
+    def get(name: str) -> torch.Tensor:
+        try:
+            return tensors[name].get(name)
+        except ValueError as error:  # a dtype torch cannot hold
+            raise CheckpointError(str(error)) from None
 
     def read(name: str) -> torch.Tensor:
-        tensor = tensors[name].get(name)
+        tensor = get(name)
         scale_name = name[: -len("weight")] + "weight_scale_inv"
         if scale_name in tensors:
-            tensor = _dequantize_block_fp8(tensor, tensors[scale_name].get(scale_name), block)
+            tensor = _dequantize_block_fp8(tensor, get(scale_name), block)
         return tensor
 
     # Allocate on the target device only now, then copy each parameter in (keeping the Parameter
@@ -386,12 +458,7 @@ def load_hf_checkpoint(
             param.moe_expert = True
     state = model.state_dict()
     for ours, (names, combine, _) in sources.items():
-        value = combine([read(name) for name in names])
-        if value.shape != state[ours].shape:
-            raise CheckpointError(
-                f"tensor(s) {names[0]}{' ...' if len(names) > 1 else ''} give {ours} shape {tuple(value.shape)}, "
-                f"the config implies {tuple(state[ours].shape)}"
-            )
+        value = combine([read(name) for name in names])  # its shape was checked above
         with torch.no_grad():
             state[ours].copy_(value)
     _reset_derived_buffers(model)

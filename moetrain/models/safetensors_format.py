@@ -1,78 +1,58 @@
-"""Reading and writing the safetensors file format, without the `safetensors` package.
+"""Reading and writing safetensors files through the `safetensors` package.
 
-The format (https://huggingface.co/docs/safetensors) is: an unsigned little-endian 64-bit header
+The format (https://huggingface.co/docs/safetensors) is an unsigned little-endian 64-bit header
 size N, N bytes of JSON mapping each tensor name to {"dtype", "shape", "data_offsets": [begin,
-end]} (offsets into the data that follows; an optional "__metadata__" entry holds strings), then
-the raw little-endian tensor bytes. Reading memory-maps the file, so a tensor costs memory only
-when it is used.
+end]} (an optional "__metadata__" entry holds strings), then the raw tensor bytes. It holds data
+only: reading one runs nothing and builds nothing but tensors.
+
+A file comes from anyone, so its header is checked before any tensor is read, by the package's
+reader (Hugging Face's, the one transformers uses): the header's size is bounded (100 MB) and
+within the file, it is strict JSON, every dtype is known, every tensor's bytes are what its shape
+and dtype need, and the tensors' byte ranges tile the data exactly (none past the end, none
+overlapping). A file failing any check is a ValueError of one line naming it and the check, with
+nothing large allocated. Opening maps the file; a tensor costs memory only when it is read.
 """
 
 from __future__ import annotations
 
-import json
-import mmap
-import struct
 from pathlib import Path
 
 import torch
-
-DTYPES = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-    "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
-}
-NAMES = {dtype: name for name, dtype in DTYPES.items()}
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file as _save_file
 
 
 class SafetensorsFile:
-    """Lazy view of one .safetensors file: names(), get(name) -> tensor (a copy, writable)."""
+    """One .safetensors file, its header checked: names(), shape(name), get(name) -> tensor (a copy)."""
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
-        with open(self.path, "rb") as handle:
-            # ACCESS_COPY gives a writable (copy-on-write) buffer, which torch.frombuffer wants.
-            self._buffer = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_COPY)
-        if len(self._buffer) < 8:
-            raise ValueError(f"{self.path} is not a safetensors file (shorter than its 8-byte header size)")
-        (header_size,) = struct.unpack("<Q", self._buffer[:8])
-        if 8 + header_size > len(self._buffer):
-            raise ValueError(f"{self.path} is not a safetensors file (header size {header_size} past the end)")
-        header = json.loads(self._buffer[8 : 8 + header_size])
-        self.metadata = header.pop("__metadata__", None) or {}
-        self._entries = header
-        self._data_start = 8 + header_size
+        try:
+            self._file = safe_open(str(self.path), framework="pt")
+        except SafetensorError as error:
+            raise ValueError(f"{self.path} is not a valid safetensors file ({_one_line(error)})") from None
+        self.metadata = self._file.metadata() or {}
 
     def names(self) -> list[str]:
-        return list(self._entries)
+        return list(self._file.keys())
+
+    def shape(self, name: str) -> list[int]:
+        """The tensor's shape as the (checked) header gives it; reads no data."""
+        return list(self._file.get_slice(name).get_shape())
 
     def get(self, name: str) -> torch.Tensor:
-        entry = self._entries[name]
-        if entry["dtype"] not in DTYPES:
-            raise ValueError(f"{self.path}: tensor {name!r} has dtype {entry['dtype']}, supported: {sorted(DTYPES)}")
-        dtype, shape = DTYPES[entry["dtype"]], entry["shape"]
-        begin, end = entry["data_offsets"]
-        count = end - begin
-        if count == 0:
-            return torch.empty(shape, dtype=dtype)
-        data = torch.frombuffer(self._buffer, dtype=torch.uint8, count=count, offset=self._data_start + begin)
-        return data.view(dtype).reshape(shape).clone()
+        try:
+            return self._file.get_tensor(name)
+        except (SafetensorError, TypeError) as error:  # a dtype torch has no tensor type for
+            raise ValueError(f"{self.path}: tensor {name!r} cannot be read ({_one_line(error)})") from None
+
+
+def _one_line(error: BaseException) -> str:
+    return " ".join(str(error).split()).removeprefix("Error while deserializing header: ")
 
 
 def save_file(tensors: dict[str, torch.Tensor], path: str | Path, metadata: dict[str, str] | None = None) -> None:
-    header: dict = {"__metadata__": dict(metadata)} if metadata else {}
-    blobs, offset = [], 0
-    for name in sorted(tensors):
-        tensor = tensors[name].detach().contiguous().cpu()
-        if tensor.dtype not in NAMES:
-            raise ValueError(f"tensor {name!r} has dtype {tensor.dtype}, supported: {sorted(map(str, NAMES))}")
-        blob = tensor.reshape(-1).view(torch.uint8).numpy().tobytes() if tensor.numel() else b""
-        header[name] = {"dtype": NAMES[tensor.dtype], "shape": list(tensor.shape), "data_offsets": [offset, offset + len(blob)]}
-        blobs.append(blob)
-        offset += len(blob)
-    encoded = json.dumps(header, separators=(",", ":")).encode()
-    encoded += b" " * (-len(encoded) % 8)  # the spec allows space padding; it aligns the data to 8 bytes
-    with open(path, "wb") as handle:
-        handle.write(struct.pack("<Q", len(encoded)))
-        handle.write(encoded)
-        for blob in blobs:
-            handle.write(blob)
+    """Write `tensors` (any device, any layout: each is copied to contiguous CPU memory of its own,
+    as the format stores every tensor whole) with string `metadata`."""
+    _save_file({name: tensor.detach().to("cpu", copy=True).contiguous() for name, tensor in tensors.items()},
+               str(path), metadata=dict(metadata) if metadata else None)

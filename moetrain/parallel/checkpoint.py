@@ -30,6 +30,7 @@ import argparse
 import copy
 import os
 import re
+import shutil
 import sys
 from pathlib import Path
 
@@ -203,6 +204,11 @@ def write_shards(shards: list[dict], directory: str) -> None:
 
 def load_shards(directory: str) -> list[dict]:
     """Every rank's file of a complete checkpoint, each checked against its sha256."""
+    return [checkpoint.load(Path(directory, name)) for name in _listed_shards(directory)]
+
+
+def _listed_shards(directory: str) -> list[str]:
+    """The names of every rank's file of a complete per-rank checkpoint, as its SHA256SUMS lists them."""
     if not os.path.isdir(directory):
         raise FileNotFoundError(f"{directory} is not a directory of per-rank checkpoint files")
     held = sorted(os.listdir(directory))
@@ -217,7 +223,29 @@ def load_shards(directory: str) -> list[dict]:
     if not expected or listed != expected:
         raise CheckpointError(f"{directory}/{MANIFEST} should list the files of ranks 0 to N-1 of N, "
                               f"it lists {listed}: the checkpoint is damaged")
-    return [checkpoint.load(Path(directory, name)) for name in expected]
+    return expected
+
+
+def convert_trusted(directory: str) -> bool:
+    """Rewrite a per-rank checkpoint the user trusts in the data-only form (checkpoint.convert_trusted,
+    each rank's file, then SHA256SUMS), in a copy beside it that replaces it once complete; False when
+    every file is data-only already (nothing is written)."""
+    names = _listed_shards(directory)  # a complete checkpoint, every file as saved
+    for name in names:
+        checkpoint.verify(Path(directory, name))
+    source = Path(directory)
+    converted = source.with_name(source.name + ".converting")
+    shutil.rmtree(converted, ignore_errors=True)
+    shutil.copytree(source, converted)
+    digests = checkpoint.read_checksums(converted / MANIFEST)
+    changed = {name: digest for name in names
+               if (digest := checkpoint.convert_trusted(converted / name)) is not None}
+    if not changed:
+        shutil.rmtree(converted)
+        return False
+    checkpoint.write_checksums(converted / MANIFEST, {**digests, **changed})
+    checkpoint.replace_directory(source, converted)
+    return True
 
 
 def newest_complete(source: str) -> tuple[str, list[str]]:

@@ -24,11 +24,21 @@ exist in the saved run start from rank 0's.
 Async saving (DCP's async_save) copies the state to host memory, returns, and writes in a
 background thread over its own Gloo process group; the step becomes complete (SHA256SUMS) when
 the next checkpoint starts or training ends (finish()).
+
+Reading builds nothing but data, as for one-file checkpoints (moetrain.train.checkpoint): DCP
+unpickles its .metadata and its non-tensor items in full, so here .metadata goes through an
+unpickler that knows only DCP's own metadata classes (DataOnlyReader) and every item through
+torch.load(weights_only=True) (DataOnlyLoadPlanner). A file needing anything else is an
+UnsafeCheckpointError; convert_trusted rewrites a checkpoint of an earlier moetrain, whose random
+states were NumPy and Python objects, once the user says they trust it.
 """
 
 from __future__ import annotations
 
 import io
+import pathlib
+import pickle
+import shutil
 from pathlib import Path
 
 import torch
@@ -36,12 +46,17 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint import filesystem as dcp_filesystem
+from torch.distributed.checkpoint import metadata as dcp_metadata
+from torch.distributed.checkpoint._traverse import set_element
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from moetrain.moe import MoELayer
 from moetrain.train import checkpoint
-from moetrain.train.checkpoint import MANIFEST, CheckpointError
+from moetrain.train.checkpoint import MANIFEST, CheckpointError, UnsafeCheckpointError
 
 METADATA = ".metadata"
 
@@ -166,8 +181,80 @@ def verify(directory: Path, rank: int = 0, world_size: int = 1) -> None:
         checkpoint.verify(directory / name)
 
 
+# ---------------------------------------------------------------------- reading data only
+
+
+def _metadata_globals() -> dict[tuple[str, str], object]:
+    """What DCP's .metadata may name: its own metadata classes, torch's sizes, dtypes and layouts, and
+    the path it records. Each builds a plain value from plain arguments."""
+    allowed = {(dcp_metadata.__name__, name): getattr(dcp_metadata, name) for name in (
+        "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata", "TensorProperties",
+        "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")}
+    allowed[(dcp_filesystem.__name__, "_StorageInfo")] = dcp_filesystem._StorageInfo
+    allowed[("torch", "Size")] = torch.Size
+    allowed[("torch.serialization", "_get_layout")] = torch.serialization._get_layout
+    allowed.update((("torch", name), value) for name, value in vars(torch).items() if isinstance(value, torch.dtype))
+    allowed.update((("pathlib", cls.__name__), cls) for cls in (pathlib.Path, pathlib.PosixPath, pathlib.PurePosixPath,
+                                                                pathlib.WindowsPath, pathlib.PureWindowsPath))
+    return allowed
+
+
+class _Refused(pickle.UnpicklingError):
+    """A global that DCP's metadata does not name (so the file is not harmless DCP metadata)."""
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    allowed = None
+
+    def find_class(self, module: str, name: str):
+        if _MetadataUnpickler.allowed is None:
+            _MetadataUnpickler.allowed = _metadata_globals()
+        found = self.allowed.get((module, name))
+        if found is None:
+            raise _Refused(f"GLOBAL {module}.{name}")
+        return found
+
+
+class DataOnlyReader(FileSystemReader):
+    """DCP's file reader, whose .metadata builds only DCP's metadata (its own reader unpickles it in full)."""
+
+    def read_metadata(self, *args, **kwargs) -> dcp_metadata.Metadata:
+        rank = kwargs.get("rank")
+        path = Path(self.path) / (METADATA if rank is None else f"__{rank}{METADATA}")
+        try:
+            with open(path, "rb") as file:
+                metadata = _MetadataUnpickler(file).load()
+        except _Refused as error:
+            raise checkpoint.unsafe(path, checkpoint.refused_object(error)) from None
+        except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError) as error:  # not a pickle of it
+            raise CheckpointError(f"{path} is not DCP's metadata ({type(error).__name__}: {error})") from None
+        if not isinstance(metadata, dcp_metadata.Metadata):
+            raise CheckpointError(f"{path} holds a {type(metadata).__name__}, not DCP's metadata")
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = dcp_metadata.StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+class DataOnlyLoadPlanner(DefaultLoadPlanner):
+    """DCP's load planner, whose non-tensor items load with weights_only=True (its own loads them in full)."""
+
+    def __init__(self, directory: Path, **options):
+        super().__init__(**options)
+        self.directory = Path(directory)
+
+    def load_bytes(self, read_item, value: io.BytesIO) -> None:
+        loaded = checkpoint.load_data_only(value, self.directory)
+        if isinstance(loaded, bytes):  # a blob(): the object it holds, data only as well
+            loaded = checkpoint.load_data_only(io.BytesIO(loaded), self.directory)
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], loaded)
+        else:
+            self.state_dict[read_item.dest_index.fqn] = loaded
+
+
 def saved_keys(directory: Path) -> set[str]:
-    return set(FileSystemReader(str(directory)).read_metadata().state_dict_metadata)
+    return set(DataOnlyReader(str(directory)).read_metadata().state_dict_metadata)
 
 
 def load(state: dict, directory: Path, distributed: bool = True) -> dict:
@@ -186,13 +273,25 @@ def load(state: dict, directory: Path, distributed: bool = True) -> dict:
         raise CheckpointError(f"{directory} has no {', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''}: "
                               "it was written for another model")
     try:
-        dcp.load(request, checkpoint_id=str(directory), no_dist=not distributed)
-    except Exception as error:  # DCP's own errors wrap the failing rank's: one line saying which checkpoint
+        dcp.load(request, storage_reader=DataOnlyReader(str(directory)), planner=DataOnlyLoadPlanner(directory),
+                 no_dist=not distributed)
+    except (Exception, CheckpointException) as error:  # DCP's wraps each failing rank's: one line naming the checkpoint
         if isinstance(error, CheckpointError):
             raise
+        refused = [failure for failure in _failures(error) if isinstance(failure, UnsafeCheckpointError)]
+        if refused:  # a refused object on any rank: said as it is on every rank
+            raise UnsafeCheckpointError(str(refused[0])) from None
         message = " ".join(str(error).split())[:300]
         raise CheckpointError(f"{directory} does not load ({type(error).__name__}: {message})") from None
     return request
+
+
+def _failures(error: Exception) -> list:
+    """The exceptions of each rank that DCP's CheckpointException gathered (the error itself otherwise)."""
+    failures = getattr(error, "failures", None)
+    if not isinstance(failures, dict):
+        return [error]
+    return [failure[0] if isinstance(failure, tuple) else failure for failure in failures.values()]
 
 
 def named_optimizer_state(optimizer: torch.optim.Optimizer, model: nn.Module) -> dict:
@@ -210,21 +309,74 @@ def named_optimizer_state(optimizer: torch.optim.Optimizer, model: nn.Module) ->
     }
 
 
-def blob(value) -> io.BytesIO:
-    """An object DCP stores as one opaque item (loading gives the object back), whatever its
-    structure: the trainer's extras and random states must not become DCP keys of their own."""
+def blob(value) -> bytes:
+    """An object DCP stores as one opaque item, whatever its structure (the trainer's extras and
+    random states must not become DCP keys of their own): its torch.save bytes, which load()
+    gives back as the object (DataOnlyLoadPlanner reads them data-only). A blob(None) in a load
+    request stands for the item to read."""
     buffer = io.BytesIO()
     torch.save(value, buffer)
-    buffer.seek(0)
-    return buffer
+    return buffer.getvalue()
 
 
-def unblob(value):
-    """The object a blob() held, once loaded (DCP reads a blob back into the stream it is given)."""
+def _bytes_items(reader: FileSystemReader, planner: DefaultLoadPlanner) -> dict:
+    """Every non-tensor item of a DCP checkpoint by its DCP key, read by `reader` and `planner` (which
+    must not flatten: the request is DCP's keys already)."""
+    request = {key: blob(None) for key, item in reader.read_metadata().state_dict_metadata.items()
+               if isinstance(item, dcp_metadata.BytesStorageMetadata)}
+    dcp.load(request, storage_reader=reader, planner=planner, no_dist=True)
+    return planner.state_dict
+
+
+_FLAT = dict(flatten_state_dict=False, flatten_sharded_tensors=False)
+
+
+def _trusted_item(value, directory: Path):
+    """A non-tensor item loaded in full, made data-only (checkpoint.safe_form): a blob (an earlier
+    moetrain stored it as a pickled BytesIO) again as a blob of the object it holds."""
     if isinstance(value, io.BytesIO):
-        value.seek(0)
-        return torch.load(value, weights_only=False)
+        value = value.getvalue()
+    if isinstance(value, bytes):
+        held = checkpoint.safe_form(torch.load(io.BytesIO(value), weights_only=False))
+        checkpoint.check_data_only(held, directory)
+        return blob(held)
+    value = checkpoint.safe_form(value)
+    checkpoint.check_data_only(value, directory)
     return value
+
+
+def convert_trusted(directory: Path) -> bool:
+    """Rewrite a DCP checkpoint the user trusts in the data-only form, or leave one that is data-only
+    already (False). Its non-tensor items are loaded once in full, made data-only
+    (checkpoint.safe_form: the random states of an earlier moetrain), and the whole checkpoint is
+    written again by this process, tensors in their global shape (any layout loads it), to a folder
+    beside it that replaces it once complete, with its SHA256SUMS. Reads every tensor into memory."""
+    directory = Path(directory)
+    verify(directory)
+    try:
+        _bytes_items(DataOnlyReader(str(directory)), DataOnlyLoadPlanner(directory, **_FLAT))
+        return False
+    except UnsafeCheckpointError:
+        pass
+    except CheckpointException as error:
+        if not any(isinstance(failure, UnsafeCheckpointError) for failure in _failures(error)):
+            raise CheckpointError(f"{directory} does not load ({' '.join(str(error).split())[:300]})") from None
+    trusted = FileSystemReader(str(directory))  # the user's word: DCP's own reader, in full
+    metadata = trusted.read_metadata()
+    state = {key: _trusted_item(value, directory) for key, value in
+             _bytes_items(FileSystemReader(str(directory)), DefaultLoadPlanner(**_FLAT)).items()}
+    tensors = {key: torch.empty(item.size, dtype=item.properties.dtype)
+               for key, item in metadata.state_dict_metadata.items()
+               if isinstance(item, dcp_metadata.TensorStorageMetadata)}
+    dcp.load(tensors, storage_reader=trusted, planner=DefaultLoadPlanner(**_FLAT), no_dist=True)
+    converted = directory.with_name(directory.name + ".converting")
+    shutil.rmtree(converted, ignore_errors=True)
+    dcp.save({**tensors, **state}, checkpoint_id=str(converted), no_dist=True,
+             planner=DefaultSavePlanner(**_FLAT))
+    checkpoint.write_checksums(converted / MANIFEST, {path.name: checkpoint.sha256_of(path) for path in
+                                                      sorted(converted.glob("*.distcp")) + [converted / METADATA]})
+    checkpoint.replace_directory(directory, converted)
+    return True
 
 
 def rng_key(rank: int) -> str:

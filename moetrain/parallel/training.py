@@ -233,7 +233,7 @@ class Distributed:
             self.optimizer.load_state_dict({**named["optimizer"], "param_groups": [
                 {**saved, "params": own["params"]}
                 for saved, own in zip(saved_groups, named["optimizer"]["param_groups"])]})
-        return {**sharded.unblob(loaded["trainer"]), "rng": sharded.unblob(loaded[rng_key]),
+        return {**loaded["trainer"], "rng": loaded[rng_key],
                 **self._current(saved_groups)}
 
 

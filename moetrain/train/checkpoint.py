@@ -16,12 +16,21 @@ A step without its checksum file is incomplete (the run stopped while saving it)
 do not match its checksum is corrupted. Resuming skips both, saying so, and takes the newest intact
 checkpoint. `sha256sum -c step_00000500.pt.sha256` (or `sha256sum -c SHA256SUMS` in a step
 directory) checks a checkpoint by hand.
+
+A checksum proves a file whole, not harmless: whoever wrote it chose its bytes. So a checkpoint
+holds only tensors, plain containers (dict, list, tuple), strings and numbers, random states
+included, and is read with `torch.load(weights_only=True)`, which builds nothing else. A file that
+needs any other object (a checkpoint of an earlier moetrain held Python's and NumPy's random
+states as their own objects, or a crafted one) is refused with UnsafeCheckpointError;
+`moetrain convert-checkpoint --trust PATH` rewrites one the user trusts (convert_trusted).
 """
 
 from __future__ import annotations
 
 import hashlib
+import io
 import os
+import pickle
 import random
 import re
 import shutil
@@ -44,18 +53,81 @@ class CheckpointError(ValueError):
     line, exit 2)."""
 
 
+class UnsafeCheckpointError(CheckpointError):
+    """A checkpoint that holds objects other than tensors, containers and numbers: loading it would run
+    whatever code its author chose, so it is not loaded (nor skipped for an older one: see the module doc)."""
+
+
+def conversion_target(path: Path) -> Path:
+    """What `moetrain convert-checkpoint --trust` is best given for a checkpoint: its run directory
+    (every checkpoint in it) when it lies in one, else the checkpoint itself."""
+    entry = Path(path)
+    if _RANK_FILE.match(entry.name) or entry.suffix == ".distcp" or entry.name == ".metadata":
+        entry = entry.parent  # one file of a multi-process checkpoint: its step directory
+    return entry.parent.parent if entry.parent.name == CHECKPOINT_DIR else entry
+
+
+def unsafe(path: Path, what: str) -> UnsafeCheckpointError:
+    return UnsafeCheckpointError(
+        f"{path} holds {what}, which only running code from the file could build: moetrain loads only tensors, "
+        "containers and numbers from checkpoints; if you trust where it comes from, rewrite it once in that form "
+        f"with `moetrain convert-checkpoint --trust {conversion_target(path)}`")
+
+
+def refused_object(error: Exception) -> str:
+    """The object torch.load(weights_only=True) refused to build, from its message."""
+    found = re.search(r"GLOBAL ([\w.]+)", str(error))
+    return f"a reference to {found.group(1)}" if found else "an object that is not a tensor, container or number"
+
+
+def load_data_only(source, path: Path, **kwargs):
+    """torch.load(source, weights_only=True): tensors, containers and numbers, nothing else built.
+    A file needing any other object is an UnsafeCheckpointError naming `path`; nothing of it runs."""
+    try:
+        return torch.load(source, weights_only=True, **kwargs)
+    except pickle.UnpicklingError as error:
+        if not refused_by_weights_only(error):
+            raise  # bytes that are no pickle at all: the caller says the file does not load
+        raise unsafe(path, refused_object(error)) from None
+
+
+def refused_by_weights_only(error: pickle.UnpicklingError) -> bool:
+    """Whether torch.load(weights_only=True) refused an object (before building it), rather than bytes
+    that are no pickle at all."""
+    return "Weights only load failed" in str(error)
+
+
+# The random generators as tensors and numbers (random.getstate() and np.random.get_state() are a
+# tuple and a tuple with an array: neither loads without running code). Restoring them is exact.
 def rng_state() -> dict:
-    return {
+    return plain_rng_state({
         "python": random.getstate(),
         "numpy": np.random.get_state(),
         "torch": torch.get_rng_state(),
         "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
-    }
+    })
+
+
+def plain_rng_state(state: dict) -> dict:
+    """Python's and NumPy's random states (random.getstate()'s and np.random.get_state()'s tuples,
+    as an earlier moetrain saved them) as dicts of tensors and numbers; a state in that form already
+    is returned as it is."""
+    python, numpy = state["python"], state["numpy"]
+    if isinstance(python, tuple):
+        version, words, gauss_next = python
+        python = {"version": version, "state": torch.tensor(words, dtype=torch.int64), "gauss_next": gauss_next}
+    if isinstance(numpy, tuple):
+        kind, key, position, has_gauss, cached_gaussian = numpy
+        numpy = {"kind": kind, "key": torch.from_numpy(np.asarray(key).astype(np.int64)), "position": int(position),
+                 "has_gauss": int(has_gauss), "cached_gaussian": float(cached_gaussian)}
+    return {**state, "python": python, "numpy": numpy}
 
 
 def set_rng_state(state: dict) -> None:
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    python, numpy = state["python"], state["numpy"]
+    random.setstate((python["version"], tuple(python["state"].tolist()), python["gauss_next"]))
+    np.random.set_state((numpy["kind"], numpy["key"].numpy().astype(np.uint32), numpy["position"],
+                         numpy["has_gauss"], numpy["cached_gaussian"]))
     torch.set_rng_state(state["torch"])
     if state["cuda"] and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
@@ -215,6 +287,67 @@ def find(resume: str, run_dir: Path) -> Path | None:
     return next((path for path in found if is_complete(path)), found[0] if found else None)
 
 
+# ---- converting a trusted checkpoint of an earlier moetrain ---------------------------------------
+def _is_rng_state(value) -> bool:
+    return isinstance(value, dict) and {"python", "numpy", "torch", "cuda"} <= value.keys()
+
+
+def safe_form(value):
+    """A state loaded in full, in the data-only form: random states as rng_state() gives them, NumPy
+    arrays as tensors and NumPy scalars as numbers, containers rebuilt around them. Anything else
+    stays as it is (and still fails to load data-only)."""
+    if _is_rng_state(value):
+        value = plain_rng_state(value)
+    if isinstance(value, np.ndarray):
+        return torch.from_numpy(value.copy())
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, dict):
+        return type(value)((key, safe_form(item)) for key, item in value.items())
+    if isinstance(value, (list, tuple)) and type(value) in (list, tuple):
+        return type(value)(safe_form(item) for item in value)
+    return value
+
+
+def check_data_only(state, path: Path) -> None:
+    """Raise UnsafeCheckpointError unless `state` loads back with weights_only=True."""
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    buffer.seek(0)
+    try:
+        torch.load(buffer, weights_only=True)
+    except pickle.UnpicklingError as error:  # torch.save's own bytes: refused, not garbage
+        raise UnsafeCheckpointError(f"{path} holds {refused_object(error)}, which has no data-only form: it cannot "
+                                    "be converted; save what it holds as tensors, containers and numbers") from None
+
+
+def convert_trusted(path: Path) -> str | None:
+    """Rewrite one checkpoint file the user trusts in the data-only form: loaded once in full (the
+    only place moetrain does so), made data-only (safe_form), written again through a temporary
+    file. Returns the new sha256, or None when the file is data-only already (left as it is); the
+    caller writes the checksum file (single-process) or its step directory's SHA256SUMS."""
+    verify(path)
+    try:
+        load_data_only(path, path, map_location="cpu")
+        return None
+    except UnsafeCheckpointError:
+        pass
+    state = safe_form(torch.load(path, map_location="cpu", weights_only=False))  # trusted by the user's word
+    check_data_only(state, path)
+    return write(state, path)
+
+
+def replace_directory(directory: Path, converted: Path) -> None:
+    """Put the complete `converted` copy of a step directory in its place. The names used meanwhile
+    (.converting, .replaced) are no step's: nothing ever reads a half-converted checkpoint, and one
+    interrupted between the two renames leaves both complete copies beside each other."""
+    replaced = directory.with_name(directory.name + ".replaced")
+    shutil.rmtree(replaced, ignore_errors=True)
+    directory.rename(replaced)
+    converted.rename(directory)
+    shutil.rmtree(replaced)
+
+
 # ---- reading ------------------------------------------------------------------------------------
 def sha256_of(path: Path) -> str:
     digest = hashlib.sha256()
@@ -267,10 +400,11 @@ def load(path: Path) -> dict:
     """A checkpoint file, once its checksum matches."""
     verify(path)
     # On the CPU: RNG states must stay CPU tensors; load_state_dict moves weights and optimizer
-    # state to their parameters' device. Our own files hold Python and NumPy objects (RNG states),
-    # so they are loaded in full.
+    # state to their parameters' device.
     try:
-        return torch.load(path, map_location="cpu", weights_only=False)
+        return load_data_only(path, path, map_location="cpu")
+    except CheckpointError:
+        raise
     except Exception as error:  # the bytes are the ones saved, yet they do not load: say which and why
         message = " ".join(str(error).split())[:300]
         raise CheckpointError(f"{path} does not load ({type(error).__name__}: {message})") from None

@@ -86,5 +86,5 @@ class SingleProcess:
         optimizer = shards.indexed_optimizer_state(
             {"state": named["optimizer"]["state"], "param_groups": loaded["optimizer"]["param_groups"]},
             self.optimizer, self.model)
-        return {**sharded.unblob(loaded["trainer"]), "rng": sharded.unblob(loaded[sharded.rng_key(0)]),
+        return {**loaded["trainer"], "rng": loaded[sharded.rng_key(0)],
                 "model": named["model"], "optimizer": optimizer}

@@ -16,13 +16,16 @@ from __future__ import annotations
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from moetrain.config import SettingError
+
 
 class BatchStream:
     def __init__(self, dataset: Dataset, batch_size: int, num_workers: int, seed: int, pin_memory: bool = False,
                  rank: int = 0, world_size: int = 1):
-        if len(dataset) // world_size < batch_size:
-            raise ValueError(f"the training set has {len(dataset)} items, fewer than one batch of {batch_size}"
-                             + (f" per rank ({world_size} ranks)" if world_size > 1 else ""))
+        if len(dataset) // world_size < batch_size:  # a setting the data cannot meet: one line, not a traceback
+            raise SettingError(f"the training set has {len(dataset)} items, fewer than one batch of {batch_size}"
+                               + (f" per rank ({world_size} ranks)" if world_size > 1 else "")
+                               + ": lower the data's batch_size, or give it more data")
         self.rank, self.world_size = rank, world_size
         self.dataset, self.batch_size, self.num_workers = dataset, batch_size, num_workers
         self.seed, self.pin_memory = seed, pin_memory

@@ -221,15 +221,20 @@ class Trainer:
             return None
         problems = []
         for path in paths:
-            state, problem = None, None
+            state, problem, refused = None, None, False
             try:
                 checkpoint.check_complete(path)
                 state = self.processes.load_checkpoint(path)  # checks this rank's file against its sha256
             except checkpoint.CheckpointError as error:
-                problem = str(error)
+                problem, refused = str(error), isinstance(error, checkpoint.UnsafeCheckpointError)
             failed = self._ranks_where(problem is not None)
             if not failed:
                 break
+            refusing = self._ranks_where(refused)
+            if refusing:  # objects that would run code: refused, not skipped for an older checkpoint
+                raise checkpoint.UnsafeCheckpointError(
+                    f"TrainerConfig.resume={self.cfg.resume!r}: "
+                    + (problem if refused else f"the file of rank {refusing[0]} holds objects that are not data"))
             problem = problem or f"the file of rank {', '.join(map(str, failed))} failed its check"
             if len(paths) == 1:  # the checkpoint the user named: nothing to fall back to
                 raise checkpoint.CheckpointError(f"TrainerConfig.resume={self.cfg.resume!r}: {problem}")
