@@ -88,7 +88,7 @@ def test_load_hf_checkpoint_refuses_a_crafted_shard(good_checkpoint, tmp_path, n
 
 ABSURD = {
     "hidden_size": ({"hidden_size": 10**9}, "hidden_size=1000000000, larger than any tensor dimension"),
-    "vocab_size": ({"vocab_size": 63}, "model.embed_tokens.weight is [64, 32]"),
+    "vocab_size": ({"vocab_size": 63}, "model.embed_tokens.weight has shape (64, 32), not (63, 32)"),
     "num_hidden_layers": ({"num_hidden_layers": 10**9}, "num_hidden_layers=1000000000"),
     "some layers": ({"num_hidden_layers": 3}, "hold 2 layer(s)"),
     "num_experts": ({"num_experts": 10**9}, "num_experts=1000000000"),

@@ -352,7 +352,8 @@ def _check_sizes(config: LMConfig, hf_config: dict, tensors: dict[str, Safetenso
     embedding = shapes.get(EMBEDDING)
     if embedding is not None and embedding != [config.vocab_size, config.dim]:
         raise CheckpointError(f"{directory}/config.json gives vocab_size={config.vocab_size}, hidden_size={config.dim}, "
-                              f"but {EMBEDDING} is {embedding}: the config does not describe these weights")
+                              f"but {EMBEDDING} has shape {tuple(embedding)}, not {(config.vocab_size, config.dim)}: the config "
+                              "does not describe these weights")
     if config.depth > len(layers):
         raise CheckpointError(f"{directory}/config.json gives num_hidden_layers={config.depth}, but the weight files "
                               f"hold {len(layers)} layer(s): the config does not describe these weights")
