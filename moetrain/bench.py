@@ -22,7 +22,7 @@ renormalised, dropless, bias-free SwiGLU experts) have the columns
   gemms alone        the three expert GEMMs, forward and backward, on equal blocks (the bound)
   fp8                the moetrain layer with precision="fp8" (on sm90+): the expert GEMMs of the
                      forward and the input gradient in FP8 with row-wise scales, the weight
-                     gradient's in bf16 (moetrain.quant.training), against bf16; with
+                     gradient's in bf16 (moetrain.precision.fp8_matmul), against bf16; with
                      --fp8-wgrad fp8 the weight gradient's in FP8 too
   fp8_block          the same with precision="fp8_block": DeepSeek-V3's 1x128 / 128x128 block
                      scales, against bf16
@@ -57,7 +57,7 @@ import torch.nn.functional as F
 from moetrain import MoELayer
 from moetrain.moe.experts import FP8_WGRADS
 from moetrain.ops import grouped, triton_grouped
-from moetrain.quant.training import fp8_supported
+from moetrain.precision.fp8_matmul import fp8_supported
 from moetrain.timing import host_ms, median_ms, profile_table
 
 

@@ -56,7 +56,7 @@ class Precision(Enum):
     auto = "auto"  # bf16 autocast on CUDA, fp32 on CPU
     bf16 = "bf16"
     fp32 = "fp32"
-    fp8 = "fp8"  # bf16 autocast and every expert GEMM in FP8 (moetrain.quant.training); CPU: fp32, FP8 emulated
+    fp8 = "fp8"  # bf16 autocast and every expert GEMM in FP8 (moetrain.precision.fp8_matmul); CPU: fp32, FP8 emulated
     fp8_block = "fp8_block"  # as fp8, with DeepSeek-V3's 1x128 / 128x128 block scales instead of row-wise ones
 
 

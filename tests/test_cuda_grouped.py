@@ -148,7 +148,7 @@ def test_a_dropless_layer_step_never_waits_for_the_gpu(precision):
     """A wait inside the step keeps the host from queueing ahead (a setitem of a Python number on a
     CUDA tensor once cost two waits a step): torch's sync debug mode turns any wait into an error."""
     from moetrain import MoELayer  # noqa: PLC0415
-    from moetrain.quant.training import fp8_supported  # noqa: PLC0415
+    from moetrain.precision.fp8_matmul import fp8_supported  # noqa: PLC0415
 
     if precision != "bf16" and not fp8_supported(torch.device("cuda"), precision)[0]:
         pytest.skip(f"precision={precision!r} does not run on this GPU")

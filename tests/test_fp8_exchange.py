@@ -1,4 +1,4 @@
-"""FP8 rows through expert parallelism's exchange (moetrain.quant.training.fp8_exchanged_matmul,
+"""FP8 rows through expert parallelism's exchange (moetrain.precision.fp8_matmul.fp8_exchanged_matmul,
 moetrain.parallel.expert.ExchangedTokenRows).
 
 In FP8 a dropless layer at r = 1 quantizes each token once on its own rank and sends the E4M3 rows
@@ -9,7 +9,7 @@ inputs:
   ranks: the output and the input gradient equal fp8_token_matmul's bit for bit (the same operands);
   the weight gradient equals fp8_expert_matmul's weight gradient (bf16 or FP8) for the rows
   dequantized from their E4M3 values (in FP8: DeepSeek-V3's double quantization), which
-  moetrain.quant.formats defines;
+  moetrain.precision.formats defines;
 - on 2 Gloo ranks, the parallelized layer against the same layer in one process on both ranks'
   tokens: the output and the input gradient within float order; the first GEMM's weight gradient
   (bf16 or FP8) within the FP8 bound of the bf16 layer's, and no more than 1.25x as far from it as
@@ -30,8 +30,8 @@ from moetrain.moe.experts import TokenRows
 from moetrain.moe.routing import make_plan
 from moetrain.parallel import spawn
 from moetrain.parallel.expert import parallelize
-from moetrain.quant import training
-from moetrain.quant.formats import FP8_BLOCK, quantize_fp8_groups
+from moetrain.precision import fp8_matmul
+from moetrain.precision.formats import FP8_BLOCK, quantize_fp8_groups
 
 PRECISIONS = ("fp8", "fp8_block")
 
@@ -102,9 +102,9 @@ def test_exchanged_rows_give_the_token_rows_result_and_the_dequantized_rows_weig
 
     counts_full = counts_E.clone()
     counts_full[-1] += num_rows - used  # the token path's last expert owns the unused rows
-    y, dx, dw = run(lambda xi, wi: training.fp8_exchanged_matmul(
+    y, dx, dw = run(lambda xi, wi: fp8_matmul.fp8_exchanged_matmul(
         xi, dest_TK, num_rows, _Shuffle(perm), wi, counts_E, precision, impl, wgrad))
-    want_y, want_dx, _ = run(lambda xi, wi: training.fp8_token_matmul(
+    want_y, want_dx, _ = run(lambda xi, wi: fp8_matmul.fp8_token_matmul(
         xi, dest_TK, num_rows, wi, counts_full, None, precision, impl, wgrad)[perm])
     assert torch.equal(y, want_y) and torch.equal(dx, want_dx)
 
@@ -116,11 +116,11 @@ def test_exchanged_rows_give_the_token_rows_result_and_the_dequantized_rows_weig
     dequantized = (torch.nn.functional.pad(q.float(), (0, blocks * group - k)).view(used, blocks, group)
                    * scale.unsqueeze(-1)).flatten(1)[:, :k].to(torch.bfloat16)
     assert not torch.equal(dequantized, rows)  # the double quantization is not vacuous here
-    _, _, want_dw = run(lambda xi, wi: training.fp8_expert_matmul(dequantized, wi, counts_E, None, precision, wgrad)
+    _, _, want_dw = run(lambda xi, wi: fp8_matmul.fp8_expert_matmul(dequantized, wi, counts_E, None, precision, wgrad)
                         + 0 * xi.sum())
     assert torch.equal(dw, want_dw)
     # and it stays within one more E4M3 rounding of the one-process weight gradient
-    _, _, single_dw = run(lambda xi, wi: training.fp8_expert_matmul(rows, wi, counts_E, None, precision, wgrad)
+    _, _, single_dw = run(lambda xi, wi: fp8_matmul.fp8_expert_matmul(rows, wi, counts_E, None, precision, wgrad)
                           + 0 * xi.sum())
     assert 0 < _rel(dw, single_dw) < 0.05
 
@@ -132,16 +132,16 @@ def test_packed_rows_carry_the_values_and_scales_bytes(precision):
     pass torch.library.opcheck (but for its schema test, which cannot compare E4M3 on a CPU)."""
     generator = torch.Generator().manual_seed(2)
     x = torch.randn(7, 200, generator=generator) * 5
-    xq, scale = training._quantize_rows_of(precision, x)
-    packed = training._pack_rows(xq, scale)
+    xq, scale = fp8_matmul._quantize_rows_of(precision, x)
+    packed = fp8_matmul._pack_rows(xq, scale)
     scale_RS = scale.view(7, -1)
     assert packed.dtype == torch.uint8 and packed.shape == (7, 200 + 4 * scale_RS.size(1))
     for row in range(7):
         assert packed[row, :200].tolist() == xq[row].view(torch.uint8).tolist()
         assert bytes(packed[row, 200:].tolist()) == b"".join(struct.pack("<f", v) for v in scale_RS[row].tolist())
-    values, scales = training._unpack_rows(packed, 200, precision)
+    values, scales = fp8_matmul._unpack_rows(packed, 200, precision)
     assert torch.equal(values.view(torch.uint8), xq.view(torch.uint8)) and torch.equal(scales, scale)
-    single = training._unpack_rows(packed[:1], 200, precision)  # one row: its slices are contiguous already
+    single = fp8_matmul._unpack_rows(packed[:1], 200, precision)  # one row: its slices are contiguous already
     assert torch.equal(single[0].view(torch.uint8), xq[:1].view(torch.uint8))
     tests = ("test_faketensor", "test_autograd_registration", "test_aot_dispatch_dynamic")
     torch.library.opcheck(torch.ops.moetrain.fp8_pack_rows.default, (xq, scale_RS), test_utils=tests)
@@ -181,12 +181,12 @@ def exchange_worker(rank: int, world_size: int, out_dir: str) -> None:
         layer = _layer(precision)
         (expert_parallel,) = parallelize(layer)
         calls = []
-        original = training.fp8_exchanged_matmul
-        training.fp8_exchanged_matmul = lambda *args: calls.append(1) or original(*args)
+        original = fp8_matmul.fp8_exchanged_matmul
+        fp8_matmul.fp8_exchanged_matmul = lambda *args: calls.append(1) or original(*args)
         try:
             results[precision] = _step(layer, x[mine], probe[mine])
         finally:
-            training.fp8_exchanged_matmul = original
+            fp8_matmul.fp8_exchanged_matmul = original
         results[precision]["exchanged"] = len(calls)
         layer.zero_grad(set_to_none=True)
         layer.fp8_wgrad = "fp8"

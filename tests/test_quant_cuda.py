@@ -7,9 +7,10 @@ import torch
 import torch.nn.functional as F
 
 from moetrain import MoELayer
-from moetrain.quant import QuantizedExperts, get_format, kernels
+from moetrain.precision import kernels
+from moetrain.quant import QuantizedExperts, get_format
 from moetrain.quant.experts import QuantizedWeight
-from moetrain.quant.formats import quantize_fp8_groups
+from moetrain.precision.formats import quantize_fp8_groups
 from moetrain.quant.matmul import ExpertInput, cuda_path, emulated_matmul
 
 pytestmark = [

@@ -10,8 +10,8 @@ import math
 import pytest
 import torch
 
-from moetrain.quant import formats
-from moetrain.quant.formats import (
+from moetrain.precision import formats
+from moetrain.precision.formats import (
     FORMATS, e2m1_decode, e2m1_encode, e4m3_encode, get_format, mx_scale, pack_fp4, quantize_fp8_groups, unpack_fp4,
 )
 

@@ -34,7 +34,7 @@ def make_layer(expert: str, capacity_factor: float, seed: int = 0, **kwargs) -> 
     return layer
 
 
-# ---- weights quantized from the format specs, not by moetrain.quant.formats ------------------------
+# ---- weights quantized from the format specs, not by moetrain.precision.formats ------------------------
 # E2M1 (OCP MX spec, FP4): sign, 2 exponent bits (bias 1), 1 mantissa bit; codes 0..7 are these
 # magnitudes. E4M3 ("fn", OCP FP8): bias 7, subnormals at exponent 0, largest finite 448.
 E2M1_MAGNITUDES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], dtype=torch.float64)
@@ -273,8 +273,9 @@ def test_quantized_checkpoint_loads_back_exactly(tmp_path):
 
 KERNEL_CHECK = textwrap.dedent("""
     import torch
-    from moetrain.quant import get_format, kernels
-    from moetrain.quant.formats import quantize_fp8_groups
+    from moetrain.precision import kernels
+    from moetrain.quant import get_format
+    from moetrain.precision.formats import quantize_fp8_groups
     from moetrain.quant.matmul import emulated_matmul
     torch.manual_seed(0)
     as_int32 = lambda values: torch.tensor(values, dtype=torch.int32)
@@ -347,7 +348,7 @@ def test_triton_kernels_compile_for_hopper():
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from moetrain.quant import kernels
+    from moetrain.precision import kernels
 
     def compile_ptx(fn, types: dict, constants: dict, **options) -> str:
         signature = {**types, **dict.fromkeys(constants, "constexpr")}

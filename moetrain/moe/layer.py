@@ -25,12 +25,10 @@ import torch.distributed as dist
 
 from moetrain import ops
 from moetrain.moe import losses, recompute
-from moetrain.moe.experts import (
-    DenseFeedForward, FFNExperts, SwiGLUExperts, TokenRows, activation_fn, build_experts, check_fp8_wgrad,
-    check_precision,
-)
+from moetrain.moe.experts import DenseFeedForward, FFNExperts, SwiGLUExperts, TokenRows, activation_fn, build_experts
 from moetrain.moe.gates import Gate, build_gate
 from moetrain.moe.routing import RoutingPlan, make_plan
+from moetrain.precision.recipes import check_fp8_wgrad, check_precision
 
 # Where the balance loss counts its tokens per expert (moetrain/moe/losses.py).
 BALANCE_LOSSES = ("micro_batch", "global_batch", "sequence")
@@ -156,7 +154,7 @@ class MoELayer(nn.Module):
     def precision(self) -> str:
         """How the routed experts' GEMMs multiply: "bf16" (in the operands' dtype), "fp8" (the
         forward and input-gradient GEMMs in FP8, row-wise scales) or "fp8_block" (the same with
-        DeepSeek-V3's 1x128 / 128x128 block scales); moetrain.quant.training. Settable."""
+        DeepSeek-V3's 1x128 / 128x128 block scales); moetrain.precision.fp8_matmul. Settable."""
         return self.experts.precision
 
     @precision.setter

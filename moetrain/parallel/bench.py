@@ -50,7 +50,7 @@ from moetrain.parallel.expert import EXCHANGES, parallelize
 from moetrain.parallel.launch import spawn
 from moetrain.parallel.optimizer import DistributedOptimizer
 from moetrain.moe.experts import PRECISIONS
-from moetrain.quant.training import fp8_supported
+from moetrain.precision.fp8_matmul import fp8_supported
 from moetrain.timing import median_ms
 
 

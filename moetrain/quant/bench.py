@@ -15,7 +15,7 @@ relative difference of the device paths against the fp32 emulation on one expert
 decode- and prefill-sized row counts).
 Dispatch and combine use the pure-torch path so that no compiled extension is needed.
 
---training-quantizers instead times each quantizer of FP8 training (moetrain.quant.training) alone
+--training-quantizers instead times each quantizer of FP8 training (moetrain.precision.fp8_matmul) alone
 on the expert rows of the LM benchmark shapes (x [R, D] and dy [R, 2H] bf16, w [E, D, 2H] fp32,
 equal rows per expert): milliseconds, and GB/s of the bytes each must move at least (reads and
 writes; the per-expert column quantizers read their input twice, once for the maxima), beside a
@@ -40,8 +40,9 @@ from moetrain import MoELayer, ops, timing
 from moetrain.moe.routing import make_plan
 from moetrain.quant.experts import QuantizedExperts
 from moetrain.quant.export import expert_memory
-from moetrain.quant.formats import get_format, quantize_fp8_groups
-from moetrain.quant import kernels
+from moetrain.precision import kernels
+from moetrain.precision.formats import get_format, quantize_fp8_groups
+from moetrain.precision.recipes import FP8_PRECISIONS
 from moetrain.quant.experts import QuantizedWeight
 from moetrain.quant.matmul import ExpertInput, ExpertRows, cuda_matmul, cuda_path, emulated_matmul
 
@@ -273,25 +274,25 @@ TRAINING_SHAPES = {"moe_1b5": (65536, 2048, 2048, 8), "qwen3_30b": (131072, 2048
 def training_quantizer_rows(name: str, rows: int, dim: int, hidden: int, experts: int, device: torch.device,
                             iters: int) -> list[dict]:
     """Each FP8 training quantizer alone on one shape: {shape, quantizer, ms, gb_per_s}."""
-    from moetrain.quant import training  # noqa: PLC0415 - Triton kernels, imported when asked for
+    from moetrain.precision import fp8_matmul  # noqa: PLC0415 - Triton kernels, imported when asked for
 
     counts_E = torch.full((experts,), rows // experts, device=device, dtype=torch.int64)
     counts_E[-1] += rows - int(counts_E.sum())
     x = torch.randn(rows, dim, device=device, dtype=torch.bfloat16)
     dy = torch.randn(rows, 2 * hidden, device=device, dtype=torch.bfloat16)
     w = torch.randn(experts, dim, 2 * hidden, device=device)
-    places = training._padded_rows(counts_E, rows)
+    places = fp8_matmul._padded_rows(counts_E, rows)
     cases = {  # name: (call, bytes read + written at least)
-        "rows of x": (lambda: training.quantize_rows(x), x.numel() * 3),
-        "rows of dy": (lambda: training.quantize_rows(dy), dy.numel() * 3),
-        "expert columns of x": (lambda: training.quantize_columns(x, counts_E, places), x.numel() * 5),
-        "expert columns of dy": (lambda: training.quantize_columns(dy, counts_E, places), dy.numel() * 5),
-        "weight, forward": (lambda: training.quantize_weight(w, over=1), w.numel() * 9),
-        "weight, dgrad": (lambda: training.quantize_weight(w, over=2), w.numel() * 5),
-        "weight blocks, forward": (lambda: training.quantize_weight_blocks(w, k_contiguous=True), w.numel() * 5),
-        "weight blocks, dgrad": (lambda: training.quantize_weight_blocks(w, k_contiguous=False), w.numel() * 5),
-        "1x128 tiles of x": (lambda: training.quantize_row_tiles(x), x.numel() * 3),
-        "128x1 tiles of x": (lambda: training.quantize_column_tiles(x), x.numel() * 5),
+        "rows of x": (lambda: fp8_matmul.quantize_rows(x), x.numel() * 3),
+        "rows of dy": (lambda: fp8_matmul.quantize_rows(dy), dy.numel() * 3),
+        "expert columns of x": (lambda: fp8_matmul.quantize_columns(x, counts_E, places), x.numel() * 5),
+        "expert columns of dy": (lambda: fp8_matmul.quantize_columns(dy, counts_E, places), dy.numel() * 5),
+        "weight, forward": (lambda: fp8_matmul.quantize_weight(w, over=1), w.numel() * 9),
+        "weight, dgrad": (lambda: fp8_matmul.quantize_weight(w, over=2), w.numel() * 5),
+        "weight blocks, forward": (lambda: fp8_matmul.quantize_weight_blocks(w, k_contiguous=True), w.numel() * 5),
+        "weight blocks, dgrad": (lambda: fp8_matmul.quantize_weight_blocks(w, k_contiguous=False), w.numel() * 5),
+        "1x128 tiles of x": (lambda: fp8_matmul.quantize_row_tiles(x), x.numel() * 3),
+        "128x1 tiles of x": (lambda: fp8_matmul.quantize_column_tiles(x), x.numel() * 5),
         "copy of x (scale)": (lambda: x.clone(), x.numel() * 4),
     }
     out = []
@@ -322,12 +323,12 @@ def training_gemm_rows(name: str, rows: int, dim: int, hidden: int, experts: int
     """Each expert GEMM of one LM shape (gate-up: [R, D] x [E, D, 2H]; down: [R, H] x [E, H, D]),
     forward and both backward GEMMs, on every training path, same values, equal rows per expert
     (multiples of 16, which torchao's FP8 grouped GEMM needs): bf16 (torch._grouped_mm through
-    moetrain.ops.grouped.expert_matmul), moetrain's fp8 and fp8_block (moetrain.quant.training, the
+    moetrain.ops.grouped.expert_matmul), moetrain's fp8 and fp8_block (moetrain.precision.fp8_matmul, the
     quantization included; the weight gradient in bf16, then in FP8 too: "fp8 wgrad"), and
     torchao's FP8 row-wise recipe where it is installed (its weight in the layout it asks for,
     [E, N, K] read transposed). {shape, gemm, path, ms, tflops}."""
     from moetrain.ops.grouped import expert_matmul  # noqa: PLC0415
-    from moetrain.quant import training  # noqa: PLC0415 - Triton kernels, imported when asked for
+    from moetrain.precision import fp8_matmul  # noqa: PLC0415 - Triton kernels, imported when asked for
 
     per_expert = rows // experts // 16 * 16
     rows = per_expert * experts
@@ -343,11 +344,11 @@ def training_gemm_rows(name: str, rows: int, dim: int, hidden: int, experts: int
         w_EKN.requires_grad_()
         dy = torch.randn(rows, n, device=device, dtype=torch.bfloat16, generator=generator)
         paths = {"bf16": (lambda: expert_matmul(x, w_EKN, counts_E, None), w_EKN)}
-        for precision in training.FP8_PRECISIONS:
-            if training.fp8_supported(device, precision)[0]:
+        for precision in FP8_PRECISIONS:
+            if fp8_matmul.fp8_supported(device, precision)[0]:
                 for wgrad, label in (("bf16", ""), ("fp8", ", fp8 wgrad")):
                     paths[f"moetrain {precision}{label}"] = (
-                        lambda precision=precision, wgrad=wgrad: training.fp8_expert_matmul(
+                        lambda precision=precision, wgrad=wgrad: fp8_matmul.fp8_expert_matmul(
                             x, w_EKN, counts_E, None, precision, wgrad), w_EKN)
         if peer is not None and device.type == "cuda":
             paths["torchao fp8"] = (lambda: peer(x, w_ENK.transpose(1, 2), ends_E), w_ENK)

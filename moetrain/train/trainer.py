@@ -40,7 +40,7 @@ from moetrain.config import (
 from moetrain.data import DataModule
 from moetrain.moe import MoELayer, moe_layers, update_router_biases
 from moetrain.moe.recompute import set_activation_checkpointing
-from moetrain.quant.training import fp8_supported
+from moetrain.precision.fp8_matmul import fp8_supported
 from moetrain.train import checkpoint
 from moetrain.train.metrics import TensorBoard, append_metrics, flatten, load_postfix, training_throughput
 from moetrain.train.optim import build_scheduler, clip_factor

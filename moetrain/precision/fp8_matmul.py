@@ -18,7 +18,7 @@ taken out of the sum:
            (wgrad="fp8")        rows                              rows
 
 "fp8_block", DeepSeek-V3's fine-grained recipe (the inference format fp8_block's arithmetic,
-moetrain.quant.formats): scales per 128 elements of the reduction dimension, so one outlier costs
+moetrain.precision.formats): scales per 128 elements of the reduction dimension, so one outlier costs
 the precision of 128 values, not of a whole row; the GEMM multiplies each 128-deep slab of partial
 sums by its two scales before accumulating:
 
@@ -43,10 +43,10 @@ are transposed and quantized per expert column by two Triton kernels (each exper
 then the values written transposed, each expert's rows padded to a multiple of 16, the FP8 GEMMs'
 alignment).
 "fp8_block": the GEMMs are moetrain.ops.triton_grouped's block-scaled grouped GEMMs; the 1x128 tiles
-are quantized by quant.kernels.quantize_fp8, the 128x1 tiles (transposed, rows contiguous) by the
+are quantized by moetrain.precision.kernels.quantize_fp8, the 128x1 tiles (transposed, rows contiguous) by the
 same Triton kernels as "fp8"'s columns, the 128x128 weight blocks by one Triton kernel (a program
 per block). On the CPU every GEMM is emulated: the operands are quantized with the same arithmetic
-(moetrain.quant.formats, bit for bit), dequantized to fp32 and multiplied in fp32, then rounded to
+(moetrain.precision.formats, bit for bit), dequantized to fp32 and multiplied in fp32, then rounded to
 bfloat16; only the order of the fp32 accumulation differs from the GPU.
 
 Quantized once, before dispatch: where the rows are copies of tokens (MoELayer's built-in experts
@@ -71,13 +71,13 @@ import contextlib
 import torch
 
 from moetrain import ops
-from moetrain.moe.experts import check_fp8_wgrad
 from moetrain.ops.grouped import expert_matmul, expert_of_rows, group_ends
-from moetrain.quant import kernels
-from moetrain.quant.formats import (
+from moetrain.precision import kernels
+from moetrain.precision.formats import (
     FP8_BLOCK, dequantize_fp8_blocks, dequantize_fp8_groups, e4m3_encode, finite_amax, fp8_scale, quantize_fp8_blocks,
     quantize_fp8_groups,
 )
+from moetrain.precision.recipes import check_fp8_precision, check_fp8_wgrad
 
 try:
     import triton
@@ -86,19 +86,12 @@ except ImportError:  # the CUDA path needs Triton (fp8_supported says so)
     triton = None
 
 ALIGN = 16  # rows of each expert in the weight-gradient GEMM: a multiple of 16 bytes of E4M3
-FP8_PRECISIONS = ("fp8", "fp8_block")  # the recipes of the module docstring
-
-
-def _check_fp8_precision(precision: str) -> str:
-    if precision not in FP8_PRECISIONS:
-        raise ValueError(f"precision must be one of {list(FP8_PRECISIONS)}, got {precision!r}")
-    return precision
 
 
 def fp8_supported(device: torch.device, precision: str = "fp8") -> tuple[bool, str]:
     """Whether the FP8 expert GEMMs of this recipe ("fp8" or "fp8_block") run on this device, and
     why not when they do not."""
-    _check_fp8_precision(precision)
+    check_fp8_precision(precision)
     if device.type == "cpu":
         return True, "CPU: emulated in fp32"
     if device.type != "cuda":
@@ -173,7 +166,7 @@ def quantize_column_pair(a_RK: torch.Tensor, b_RN: torch.Tensor, counts_E: torch
 
 
 if triton is not None:
-    from moetrain.quant.kernels import _e4m3_codes, _fp8_scale
+    from moetrain.precision.kernels import _e4m3_codes, _fp8_scale
 
     @triton.jit
     def _row_experts(expert_ptr, rows, row_ok, rows_per_matrix, PACKED: tl.constexpr):
@@ -780,7 +773,7 @@ def _fp8_counts(precision: str, wgrad: str, device: torch.device, num_experts: i
                 capacity: int | None):
     """Checks precision, wgrad and the device; counts_E as int64 on the device, the last expert
     owning the padding rows (zeros in, unread out)."""
-    _check_fp8_precision(precision)
+    check_fp8_precision(precision)
     check_fp8_wgrad(wgrad)
     ok, why = fp8_supported(device, precision)
     if not ok:

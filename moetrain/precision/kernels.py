@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from moetrain.quant.formats import E4M3_MAX, FP8_BLOCK, WeightFormat
+from moetrain.precision.formats import E4M3_MAX, FP8_BLOCK, WeightFormat
 
 try:
     import triton
