@@ -15,10 +15,9 @@ import torch.nn.functional as F
 
 from moetrain.models.lm import LMConfig, MoETransformerLM
 from moetrain.moe import layer as moe_layer_module
-from moetrain.moe import moe_layers, update_router_biases
+from moetrain.moe import moe_layers, set_activation_checkpointing, update_router_biases
 from moetrain.moe import Experts, MoELayer
 from moetrain.moe.experts import mark_expert
-from moetrain.moe.recompute import set_activation_checkpointing
 from moetrain.ops.grouped import expert_matmul
 
 GATES = {

@@ -310,3 +310,23 @@ class MoELayer(nn.Module):
         if recompute_experts:
             return recompute.checkpoint_experts(self.experts, self.experts, buf_RD, plan.counts_E, plan.capacity)
         return self.experts(buf_RD, plan.counts_E, plan.capacity)
+
+
+def moe_layers(model: nn.Module) -> list[MoELayer]:
+    return [module for module in model.modules() if isinstance(module, MoELayer)]
+
+
+def set_activation_checkpointing(model: nn.Module, mode: str) -> None:
+    """Set the mode (moetrain/moe/recompute.py) on every checkpointed block and MoE layer of `model`."""
+    recompute.check_mode(mode)
+    blocks = [module for module in model.modules() if isinstance(module, recompute.CheckpointedBlock)]
+    if mode == "full" and not blocks:
+        raise ValueError("activation_checkpointing=full recomputes transformer blocks and this model has none: "
+                         "use selective (MoE layers' experts) or none")
+    if mode == "selective" and not blocks and not moe_layers(model):
+        raise ValueError("activation_checkpointing=selective recomputes attention and experts and this model has "
+                         "neither transformer blocks nor MoE layers: use none")
+    for block in blocks:
+        block.activation_checkpointing = mode
+    for layer in moe_layers(model):
+        layer.recompute_experts = mode == "selective"

@@ -35,7 +35,7 @@ from torch.distributed.tensor import DTensor
 from moetrain import MoELayer, collectives
 from moetrain.moe import update_router_biases
 from moetrain.parallel import checkpoint as ckpt
-from moetrain.moe.recompute import set_activation_checkpointing
+from moetrain.moe import set_activation_checkpointing
 from moetrain.parallel.expert import parallelize, set_adaptive_r
 from moetrain.parallel.fsdp import global_grad_norm, shard_model, sync_router_biases_after_step
 from moetrain.parallel.launch import choose_backend, spawn

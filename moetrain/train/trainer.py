@@ -38,8 +38,7 @@ from moetrain.config import (
     Device, FP8Wgrad, LoggerConfig, NonFinite, OptimConfig, Precision, SettingError, TrainerConfig,
 )
 from moetrain.data import DataModule
-from moetrain.moe import MoELayer, moe_layers, update_router_biases
-from moetrain.moe.recompute import set_activation_checkpointing
+from moetrain.moe import MoELayer, moe_layers, set_activation_checkpointing, update_router_biases
 from moetrain.precision.fp8_matmul import fp8_supported
 from moetrain.train import checkpoint
 from moetrain.train.metrics import TensorBoard, append_metrics, flatten, load_postfix, training_throughput
