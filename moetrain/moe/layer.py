@@ -146,7 +146,7 @@ class MoELayer(nn.Module):
         self.stats: RoutingStats | None = None
         # Set by moetrain.parallel.parallelize: runs the experts across ranks (None: all local).
         self.parallel = None
-        # Set by moetrain.moe.recompute.set_activation_checkpointing (selective mode): the experts'
+        # Set by moetrain.moe.set_activation_checkpointing (selective mode): the experts'
         # hidden activations are recomputed in backward from the dispatched buffer.
         self.recompute_experts = False
 
