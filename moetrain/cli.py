@@ -27,17 +27,13 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
-import importlib
-import inspect
 import itertools
 import logging
 import os
-import re
 import shutil
 import signal
 import sys
 import threading
-import types
 import typing
 from importlib import resources
 from pathlib import Path
@@ -50,20 +46,17 @@ from hydra.core.global_hydra import GlobalHydra
 from hydra.core.hydra_config import HydraConfig
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.utils import run_job
-from hydra.errors import HydraException, InstantiationException, MissingConfigException
+from hydra.errors import HydraException, InstantiationException
 from hydra.experimental.callback import Callback
 from hydra.types import HydraContext, RunMode
 from omegaconf import DictConfig, OmegaConf, open_dict
-from omegaconf.errors import (
-    ConfigAttributeError,
-    ConfigKeyError,
-    InterpolationResolutionError,
-    MissingMandatoryValue,
-    OmegaConfBaseException,
-    ValidationError,
-)
+from omegaconf.errors import OmegaConfBaseException
 from tqdm import tqdm
 
+from moetrain.command_errors import (
+    CONFIG_MODULE, CONFIG_NAME, EXIT_CONFIG_ERROR, EXIT_INTERRUPTED, EXIT_TRAINING_FAILED, check_target, explain, fail,
+    in_config_keys, one_line, target_arguments,
+)
 from moetrain.config import Config, ConfigError, GateConfig, Mode, SettingError, did_you_mean, validate
 from moetrain.data import DataModule
 from moetrain.models.presets import PRESETS
@@ -79,12 +72,6 @@ from moetrain.train.trainer import Terminated
 
 log = logging.getLogger(__name__)
 
-CONFIG_MODULE = "moetrain.conf"
-CONFIG_NAME = "config"
-GROUPS = ("model", "gate", "parallel", "data", "optim", "trainer", "logger", "quant")
-EXIT_CONFIG_ERROR = 2
-EXIT_TRAINING_FAILED = 1
-EXIT_INTERRUPTED = 130  # the shell's code for Ctrl-C
 NAME_MAX = 255  # bytes in one file name on Linux, macOS and Windows file systems
 
 
@@ -139,169 +126,7 @@ def register_configs() -> None:
         store.store(group="recipe", name=name, node=recipe, package="_global_")
 
 
-# ---- turning errors into one line -----------------------------------------------------------------
-def _one_line(text: str) -> str:
-    return " ".join(line.strip() for line in str(text).splitlines() if line.strip())
-
-
-# The library names a setting as its Python API does: a field of a settings dataclass
-# (TrainerConfig.device='cuda') or a builder's argument (root='data'). The command line names it by
-# its config key (trainer.device=cuda, data.root=data), with the value as an override writes it.
-_GROUP_OF_SCHEMA = {hint.__name__: name for name, hint in typing.get_type_hints(Config).items()
-                    if dataclasses.is_dataclass(hint)}  # TrainerConfig -> trainer, ...
-_WORD = r"'[^']*'|\"[^\"]*\"|[^\s,;:()|'\"]+"
-_VALUE = rf"(?:{_WORD})(?:\|(?:{_WORD}))*"  # one Python value, or alternatives joined by |
-_OVERRIDE_LITERALS = {"True": "true", "False": "false", "None": "null"}
-
-
-def _override_value(python: str) -> str:
-    """'cuda' -> cuda, True -> true, None -> null, 'fsdp'|'fsdp_expert' -> fsdp|fsdp_expert."""
-    return "|".join(_OVERRIDE_LITERALS.get(word, word.strip("'\"")) for word in re.findall(_WORD, python))
-
-
-def in_config_keys(message: str, group: str | None = None, arguments=()) -> str:
-    """A library error's message in the command line's terms: each settings dataclass (alone or
-    with a field: TrainerConfig.resume='x') becomes its config group or key (trainer.resume=x);
-    with `group`, each `NAME=VALUE` of `arguments` (the keyword arguments of the group's _target_)
-    becomes group.NAME=VALUE."""
-
-    def schema_key(match: re.Match) -> str:
-        schema, field, value = match.group(1), match.group(2), match.group(3)
-        key = _GROUP_OF_SCHEMA[schema] + (f".{field}" if field else "")
-        return key + (f"={_override_value(value)}" if value is not None else "")
-
-    schemas = "|".join(_GROUP_OF_SCHEMA)
-    message = re.sub(rf"(?<![\w./])({schemas})(?:\.(\w+))?(?:=({_VALUE}))?", schema_key, message)
-    if group and arguments:
-        names = "|".join(re.escape(name) for name in arguments)
-        message = re.sub(rf"(?<![\w./])({names})=({_VALUE})",
-                         lambda match: f"{group}.{match.group(1)}={_override_value(match.group(2))}", message)
-    return _one_line(message)
-
-
-def _omegaconf_cause(error: BaseException) -> OmegaConfBaseException | None:
-    while error is not None:
-        if isinstance(error, OmegaConfBaseException):
-            return error
-        error = error.__cause__ or error.__context__
-    return None
-
-
-def _keys_under(parent: str, overrides: list[str]) -> list[str]:
-    """The keys a config node has once the command line's group choices are applied."""
-    parser = OverridesParser.create()
-    group_choices = [
-        text for text, o in zip(overrides, parser.parse_overrides(overrides)) if o.key_or_group in GROUPS + ("recipe",)
-    ]
-    try:
-        node = hydra.compose(config_name=CONFIG_NAME, overrides=group_choices)
-        node = OmegaConf.select(node, parent) if parent else node
-    except Exception:  # the key list only improves the message; the error itself is reported anyway
-        return []
-    return list(node.keys()) if isinstance(node, DictConfig) else []
-
-
-def _explain(error: Exception, overrides: list[str]) -> str:
-    """One line for a Hydra or OmegaConf composition error."""
-    if isinstance(error, MissingConfigException) and error.options is not None:
-        group, _, option = (error.missing_cfg_file or "").rpartition("/")
-        return (
-            f"unknown {group or 'config'} option '{option}': choose {group}=" + "|".join(error.options)
-            + did_you_mean(option, error.options)
-        )
-    cause = _omegaconf_cause(error)
-    if isinstance(cause, (ConfigKeyError, ConfigAttributeError)) and cause.full_key:
-        parent, _, leaf = cause.full_key.rpartition(".")
-        keys = _keys_under(parent, overrides)
-        where = parent or "the top level"
-        message = f"unknown key '{cause.full_key}'"
-        if keys:
-            message += f": {where} has " + ", ".join(keys) + did_you_mean(leaf, keys)
-        if parent.split(".")[0] in ("model", "data"):
-            message += f"; to pass a new argument to {parent}._target_, write +{cause.full_key}=VALUE"
-        return message
-    if isinstance(cause, MissingMandatoryValue) and cause.full_key:
-        return f"{cause.full_key} has no value (???): set {cause.full_key}=VALUE"
-    if isinstance(cause, InterpolationResolutionError) and cause.full_key:
-        key, problem = cause.full_key, str(cause.msg).splitlines()[0]
-        variable = re.search(r"Environment variable '([^']*)' not found", problem)
-        if variable:
-            return (f"{key}: the environment variable {variable.group(1)} it reads (oc.env) is not set: "
-                    f"export {variable.group(1)}=VALUE, or give {key}=VALUE")
-        if "Recursive interpolation" in problem:
-            return f"{key}: its interpolation refers back to itself: give {key}=VALUE, or point it at another key"
-        return f"{key}: cannot resolve its interpolation ({_one_line(problem)}): give {key}=VALUE, or fix the ${{...}}"
-    if isinstance(cause, ValidationError) and cause.full_key:
-        # The message's first line is the problem; the rest repeats the key and the schema's name.
-        return f"bad value for {cause.full_key}: {str(cause.msg).splitlines()[0]}"
-    return _one_line(cause.msg if cause is not None else error)
-
-
 # ---- checks Hydra cannot make ---------------------------------------------------------------------
-def _matches(value, hint) -> bool:
-    """Whether `value` fits a plain annotation; anything fancier is left to the target itself."""
-    if typing.get_origin(hint) in (typing.Union, types.UnionType):
-        return any(_matches(value, arg) for arg in typing.get_args(hint))
-    if hint is type(None):
-        return value is None
-    if hint is bool:
-        return isinstance(value, bool)
-    if hint is int:
-        return isinstance(value, int) and not isinstance(value, bool)
-    if hint is float:
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
-    if hint is str:
-        return isinstance(value, str)
-    return True
-
-
-def import_object(path: str):
-    """The object a dotted path names, as Hydra's _target_ means it: from the top-level module, each
-    next name is an attribute when the object has one (a package's `synthetic` function before its
-    `synthetic` submodule), else a submodule. ImportError saying what is missing."""
-    parts = path.split(".")
-    try:
-        found = importlib.import_module(parts[0])
-    except ModuleNotFoundError:
-        raise ImportError(f"no module named {parts[0]!r}") from None
-    for depth, name in enumerate(parts[1:], start=1):
-        if hasattr(found, name):
-            found = getattr(found, name)
-            continue
-        module_name = ".".join(parts[: depth + 1])
-        try:
-            found = importlib.import_module(module_name)
-        except ModuleNotFoundError as error:
-            if error.name != module_name:
-                raise  # the module exists but needs one that is not installed
-            raise ImportError(f"{'.'.join(parts[:depth])} has no attribute {name!r}") from None
-    return found
-
-
-def check_target(group: str, node: dict) -> None:
-    """The group's _target_ imports, and takes every key of the group with a value of its type."""
-    path = node["_target_"]
-    try:
-        target = import_object(path)
-    except ImportError as error:
-        raise ConfigError(f"{group}._target_={path} cannot be imported ({_one_line(error)}): fix the dotted path")
-    parameters = inspect.signature(target).parameters
-    if any(p.kind == p.VAR_KEYWORD for p in parameters.values()):
-        return  # takes anything: the target checks its own arguments
-    accepted = [name for name, p in parameters.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
-    hints = typing.get_type_hints(target.__init__ if inspect.isclass(target) else target)
-    for key, value in node.items():
-        if key.startswith("_") and key.endswith("_"):  # Hydra's own keys (_target_, _partial_, ...)
-            continue
-        if key not in accepted:
-            raise ConfigError(
-                f"unknown key {group}.{key}: {path} takes " + ", ".join(accepted) + did_you_mean(key, accepted)
-            )
-        if key in hints and not _matches(value, hints[key]):
-            expected = getattr(hints[key], "__name__", str(hints[key]))
-            raise ConfigError(f"bad value for {group}.{key}: {value!r} is not {expected} ({path} wants {expected})")
-
-
 def _check_schema_keys(node: DictConfig, path: str = "") -> None:
     """`+trainer.foo=1` adds a key even to a typed node (Hydra opens it for the addition)."""
     schema = OmegaConf.get_type(node)
@@ -346,7 +171,7 @@ def check_command_line(overrides: list[str], multirun: bool, config_dir: str | N
     try:
         parsed = OverridesParser.create().parse_overrides(overrides)
     except HydraException as error:
-        raise ConfigError(_one_line(error)) from None
+        raise ConfigError(one_line(error)) from None
     recipes = recipe_names()
     for override in parsed:
         if override.key_or_group != "recipe":
@@ -379,7 +204,7 @@ def check_command_line(overrides: list[str], multirun: bool, config_dir: str | N
             except ConfigError:
                 raise
             except Exception as error:
-                raise ConfigError(_explain(error, list(run))) from None
+                raise ConfigError(explain(error, list(run))) from None
             # The device is checked here, not in checked(): a GPU recipe still composes on a CPU machine.
             try:
                 resolve_device(config.trainer.device)
@@ -495,16 +320,10 @@ def _instantiate(group: str, node: dict, **kwargs):
         cause = error.__cause__
         if isinstance(cause, (ConfigError, ExtensionUnavailable)):
             raise cause from None
-        message = in_config_keys(str(cause or error), group, _arguments(node["_target_"]))
+        message = in_config_keys(str(cause or error), group, target_arguments(node["_target_"]))
         if isinstance(cause, SettingError):  # says which of the group's keys to change: no prefix needed
             raise ConfigError(message) from None
         raise ConfigError(f"{group} ({node['_target_']}): {message}") from None
-
-
-def _arguments(path: str) -> list[str]:
-    """The keyword arguments of the callable a _target_ names (check_target imported it already)."""
-    parameters = inspect.signature(import_object(path)).parameters
-    return [name for name, p in parameters.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
 
 
 def build(config: Config) -> tuple[DataModule, torch.nn.Module]:
@@ -546,11 +365,6 @@ def train(cfg: DictConfig, run_dir: Path, distributed: bool = False) -> dict:
     if config.mode == Mode.eval:
         return evaluate_quantized(trainer, config.quant, lambda: build_model(config, data))
     return trainer.fit()
-
-
-def _fail(message: str, code: int) -> typing.NoReturn:
-    print(f"moetrain: error: {message}", file=sys.stderr)
-    sys.exit(code)
 
 
 def _resume_command(run_dir: Path) -> str:
@@ -606,7 +420,7 @@ def _train_reporting(cfg: DictConfig, run_dir: Path, distributed: bool, report: 
     except REPORTED as error:
         message, code = _error_line(error, run_dir)
         if report:
-            _fail(message, code)
+            fail(message, code)
         sys.exit(code)
 
 
@@ -651,7 +465,7 @@ class RunDirectoryLock(Callback):
             try:
                 lock_run_directory(Path(str(config.hydra.run.dir)))
             except RunDirectoryBusy as error:
-                _fail(f"{error.run_dir} is in use by another moetrain run (pid and host: {error.holder}): wait for "
+                fail(f"{error.run_dir} is in use by another moetrain run (pid and host: {error.holder}): wait for "
                       "it to end, or give this run its own hydra.run.dir", EXIT_CONFIG_ERROR)
 
 
@@ -684,12 +498,12 @@ def _report_worker_failure(failure: WorkerFailed, run_dir: Path, timeout_s: floa
     """One line for the worker that failed first; the others have been stopped."""
     failed = failure.failed
     if isinstance(failed.error, REPORTED):
-        _fail(*_error_line(failed.error, run_dir))
+        fail(*_error_line(failed.error, run_dir))
     if failed.traceback and not failed.communication_error and not isinstance(failed.error, KeyboardInterrupt):
         sys.stderr.write(failed.traceback)  # a bug: its traceback, then the one line
     _remove_partial_checkpoints(run_dir)
     waited = f" (the others waited parallel.timeout_s={timeout_s:g} s for it)" if failed.stopped else ""
-    _fail(f"{failed.describe()}{waited}; every worker is stopped; continue from the last checkpoint with: "
+    fail(f"{failed.describe()}{waited}; every worker is stopped; continue from the last checkpoint with: "
           f"{_resume_command(run_dir)}", EXIT_TRAINING_FAILED)
 
 
@@ -697,9 +511,9 @@ def _report_sigterm(stopped: WorkersTerminated, run_dir: Path) -> typing.NoRetur
     """SIGTERM reached the launcher and, through it, every worker: rank 0 says where it stopped."""
     first = stopped.exits[0]
     if isinstance(first.error, Terminated):
-        _fail(*_error_line(first.error, run_dir))
+        fail(*_error_line(first.error, run_dir))
     _remove_partial_checkpoints(run_dir)
-    _fail(f"{stopped}; continue from the last checkpoint with: {_resume_command(run_dir)}", 128 + signal.SIGTERM)
+    fail(f"{stopped}; continue from the last checkpoint with: {_resume_command(run_dir)}", 128 + signal.SIGTERM)
 
 
 def _launch(cfg: DictConfig, run_dir: Path) -> None:
@@ -762,9 +576,9 @@ def _task(cfg: DictConfig) -> None:
         try:
             _launch(cfg, run_dir)
         except ConfigError as error:
-            _fail(str(error), EXIT_CONFIG_ERROR)
+            fail(str(error), EXIT_CONFIG_ERROR)
         except KeyboardInterrupt:
-            _fail(f"interrupted; continue from the last checkpoint with: {_resume_command(run_dir)}", EXIT_INTERRUPTED)
+            fail(f"interrupted; continue from the last checkpoint with: {_resume_command(run_dir)}", EXIT_INTERRUPTED)
     except SystemExit as exit_request:
         if exit_request.code == EXIT_CONFIG_ERROR:
             _remove_unused_run_directory(run_dir)
@@ -821,7 +635,7 @@ def command_line_parser() -> argparse.ArgumentParser:
 
 
 def _main() -> None:
-    from moetrain import commands  # here: commands imports this module
+    from moetrain import commands  # here: its modules load only for a command on a run directory
 
     # eval, generate and export of a run directory, and --version (before Hydra's parser, whose
     # --version prints Hydra's own); for --help, the commands' usage above Hydra's help.
@@ -830,13 +644,13 @@ def _main() -> None:
     register_configs()
     args = command_line_parser().parse_args()
     if args.config_path or args.config_name:
-        _fail("moetrain composes its own configs: add yours with --config-dir DIR instead of -cp/-cn", EXIT_CONFIG_ERROR)
+        fail("moetrain composes its own configs: add yours with --config-dir DIR instead of -cp/-cn", EXIT_CONFIG_ERROR)
     if not (args.help or args.hydra_help or args.shell_completion or args.info):
         try:
             # --cfg only prints the config: no data set is built (nor downloaded) for it.
             composed = check_command_line(args.overrides, args.multirun, args.config_dir, build_data=not args.cfg)
         except ConfigError as error:
-            _fail(str(error), EXIT_CONFIG_ERROR)
+            fail(str(error), EXIT_CONFIG_ERROR)
         single_run = composed is not None and composed.hydra.mode != RunMode.MULTIRUN
         if single_run and not (args.cfg or args.experimental_rerun):
             run_composed(composed)  # one run: composed once, checked, run as it is

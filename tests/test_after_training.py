@@ -19,7 +19,7 @@ import torch
 from conftest import TINY_RUN, TINY_SYNTHETIC, write_corpus
 
 import moetrain
-from moetrain import cli
+from moetrain import cli, command_errors
 from moetrain.data.text import ByteTokenizer, synthetic_lm
 from moetrain.evaluate import evaluate, evaluate_run
 from moetrain.export import ExportError, export_hf, matching_architecture
@@ -310,7 +310,7 @@ def test_export_refuses_what_hugging_face_would_compute_otherwise(runs, tmp_path
     assert not (tmp_path / "capped").exists()
     # the library names the gate setting as Python does; the command writes the config key
     assert "GateConfig.capacity_factor=1 " in str(refused.value)
-    assert "gate.capacity_factor=1 " in cli.in_config_keys(str(refused.value))
+    assert "gate.capacity_factor=1 " in command_errors.in_config_keys(str(refused.value))
     assert export_hf(capped, tmp_path / "capped", allow_dropless=True) == "qwen3_moe"
     with pytest.raises(ExportError, match="not an empty folder"):
         export_hf(capped, tmp_path / "capped", allow_dropless=True)

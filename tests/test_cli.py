@@ -17,7 +17,7 @@ import pytest
 import torch
 from conftest import TINY_RUN, TINY_SYNTHETIC
 
-from moetrain import cli
+from moetrain import cli, command_errors
 from moetrain.moe import MoELayer
 
 IMAGE_RECIPES = ["quickstart", "switch_cifar10", "gshard_cifar10", "switch_mnist"]
@@ -156,12 +156,12 @@ def test_config_mistakes_exit_2_with_one_line(argv, message, monkeypatch, capsys
     ("MyTrainerConfig.device and a/TrainerConfig.py stay", "MyTrainerConfig.device and a/TrainerConfig.py stay"),
 ])
 def test_library_messages_name_config_keys_on_the_command_line(library, command_line):
-    assert cli.in_config_keys(library) == command_line
+    assert command_errors.in_config_keys(library) == command_line
 
 
 def test_a_builders_arguments_become_the_groups_keys():
     message = "CIFAR-10 not found under root='/tmp/x': set download=True, or give root=FOLDER; mode=None stays"
-    assert cli.in_config_keys(message, "data", ["root", "download"]) == (
+    assert command_errors.in_config_keys(message, "data", ["root", "download"]) == (
         "CIFAR-10 not found under data.root=/tmp/x: set data.download=true, or give data.root=FOLDER; mode=None stays")
 
 
@@ -203,7 +203,7 @@ def test_help_lists_groups_and_recipes(monkeypatch, capsys):
         cli.main()
     assert exit_info.value.code == 0
     text = capsys.readouterr().out
-    for group in cli.GROUPS:
+    for group in command_errors.GROUPS:
         assert f"\n{group}: " in text, group
     recipes = next(line for line in text.splitlines() if line.startswith("recipe: "))
     assert all(name in recipes for name in IMAGE_RECIPES)

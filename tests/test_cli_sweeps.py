@@ -4,7 +4,7 @@ basic sweep (-m), its flags, and the object a `_target_` names."""
 import pytest
 from hydra.core.override_parser.overrides_parser import OverridesParser
 
-from moetrain import cli
+from moetrain import cli, command_errors
 from moetrain.data import synthetic
 from moetrain.models import VisionMoE
 
@@ -40,11 +40,11 @@ def test_flags_that_take_values_are_not_overrides():
 
 
 def test_import_object_finds_classes_and_says_what_is_missing():
-    assert cli.import_object("moetrain.models.VisionMoE") is VisionMoE
-    assert cli.import_object("moetrain.models.vision.VisionMoE") is VisionMoE
+    assert command_errors.import_object("moetrain.models.VisionMoE") is VisionMoE
+    assert command_errors.import_object("moetrain.models.vision.VisionMoE") is VisionMoE
     # A package's attribute wins over its submodule of the same name (data._target_: moetrain.data.synthetic).
-    assert cli.import_object("moetrain.data.synthetic") is synthetic and callable(synthetic)
+    assert command_errors.import_object("moetrain.data.synthetic") is synthetic and callable(synthetic)
     with pytest.raises(ImportError, match="no module named 'nowhere'"):
-        cli.import_object("nowhere.Model")
+        command_errors.import_object("nowhere.Model")
     with pytest.raises(ImportError, match="has no attribute 'Nope'"):
-        cli.import_object("moetrain.models.Nope")
+        command_errors.import_object("moetrain.models.Nope")

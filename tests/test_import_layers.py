@@ -12,7 +12,7 @@ import moetrain
 
 PACKAGE = Path(moetrain.__file__).parent
 # The command line: the only modules that may import Hydra or OmegaConf.
-COMMAND_LINE = {"moetrain.cli", "moetrain.commands", "moetrain.__main__"}
+COMMAND_LINE = {"moetrain.cli", "moetrain.commands", "moetrain.command_errors", "moetrain.__main__"}
 
 
 def module_name(path: Path) -> str:
