@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from moetrain import bench
+from benchmarks import layer as bench  # the layer benchmark: `python -m moetrain.bench`
 
 
 def test_useful_flops_is_the_documented_formula():

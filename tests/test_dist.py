@@ -1,7 +1,7 @@
 """Multi-process checks on CPU with Gloo: communication primitives, every parallel strategy, the
 distributed optimizer and checkpoint resharding, each against a single-process reference.
 
-The workers are moetrain.parallel.check (also a command, for NCCL on GPUs): each rank compares
+The workers are benchmarks/parallel_check.py (also a command, for NCCL on GPUs): each rank compares
 every primitive with a one-process emulation and trains a small MoE model five steps next to a
 single-process reference. Spawning is slow on a small machine, so each world size spawns once;
 the tests below read the workers' measurements and checkpoints.
@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from moetrain import MoELayer
-from moetrain.parallel import check, spawn
+from benchmarks import parallel_check
+from moetrain.parallel import spawn
 from moetrain.parallel import checkpoint as ckpt
 
 TOLERANCE = dict(atol=2e-5, rtol=1e-4)
@@ -27,7 +28,7 @@ RUNS = {2: ("dp", "ep", "replicas", "fsdp"), 4: ("replicas", "fsdp_ep")}
 @pytest.fixture(scope="module", params=[2, 4], ids=["2 ranks", "4 ranks"])
 def world(request, tmp_path_factory):
     out_dir = str(tmp_path_factory.mktemp(f"dist{request.param}"))
-    spawn(check.worker, request.param, args=(out_dir, RUNS[request.param]), backend="gloo")
+    spawn(parallel_check.worker, request.param, args=(out_dir, RUNS[request.param]), backend="gloo")
     results = [torch.load(os.path.join(out_dir, f"results{rank}.pt"), weights_only=False)
                for rank in range(request.param)]
     return request.param, out_dir, results
@@ -41,7 +42,7 @@ def test_primitives_match_emulation(world):
     for rank_results in results:
         primitives = {name for name in rank_results if name.startswith("primitive:")}
         assert {"primitive:zero_gather", "primitive:all_to_all(1,2)", "primitive:all_to_all_single(uneven)"} <= primitives
-        assert not {name: value for name, value in check.failures(rank_results).items() if name in primitives}
+        assert not {name: value for name, value in parallel_check.failures(rank_results).items() if name in primitives}
 
 
 def test_strategies_train_like_single_process(world):
@@ -49,13 +50,13 @@ def test_strategies_train_like_single_process(world):
     for rank_results in results:
         for run in RUNS[size]:
             measured = {name for name in rank_results if name.startswith(f"{run}:")}
-            assert len(measured) == (5 if run in check.FSDP_RUNS else 6), measured
-        assert not check.failures(rank_results)
+            assert len(measured) == (5 if run in parallel_check.FSDP_RUNS else 6), measured
+        assert not parallel_check.failures(rank_results)
 
 
 def test_router_bias_moved(world):
     size, out_dir, _ = world
-    for run in set(RUNS[size]) - set(check.FSDP_RUNS):
+    for run in set(RUNS[size]) - set(parallel_check.FSDP_RUNS):
         bias = torch.load(os.path.join(out_dir, run, "reference.pt"), weights_only=False)["model"]["moe2.gate.expert_bias"]
         if bias.numel() > 1:  # one expert is always balanced
             assert bias.abs().sum() > 0  # the bias comparison is not vacuous
@@ -110,7 +111,7 @@ def test_consolidated_checkpoint_is_the_single_process_state(world, run):
         for item in ("exp_avg", "exp_avg_sq"):
             torch.testing.assert_close(full["optimizer"]["state"][name][item],
                                        reference["optimizer"]["state"][index][item], atol=1e-5, rtol=1e-3)
-    model = check.TinyMoEModel(full["moe_parallel"]["experts"]["moe1.experts.w1"])
+    model = parallel_check.TinyMoEModel(full["moe_parallel"]["experts"]["moe1.experts.w1"])
     model.load_state_dict(full["model"])  # loads into a plain single-process model
 
 
@@ -129,7 +130,7 @@ def test_parallel_arguments_need_expert_parallelism():
 
 def test_backend_choice_is_checked():
     with pytest.raises(ValueError, match="backend must be one of"):
-        spawn(check.worker, 2, backend="mpi")
+        spawn(parallel_check.worker, 2, backend="mpi")
     if not torch.cuda.is_available():
         with pytest.raises(RuntimeError, match="'nccl' is not available"):
-            spawn(check.worker, 2, backend="nccl")
+            spawn(parallel_check.worker, 2, backend="nccl")

@@ -650,16 +650,16 @@ def test_trainer_precision_fp8_block_runs_every_expert_gemm_in_fp8_block(fp8_wgr
 
 
 def test_training_gemm_bench_times_every_path_of_each_expert_gemm(capsys, monkeypatch):
-    """python -m moetrain.quant.bench --training-gemms: each expert GEMM (gate-up [R, D] x [E, D, 2H],
+    """python benchmarks/quantized_experts.py --training-gemms: each expert GEMM (gate-up [R, D] x [E, D, 2H],
     down [R, H] x [E, H, D]) on bf16 and both FP8 recipes (weight gradient in bf16 or FP8), its
     forward and both backward GEMMs counted (3 x 2 R K N); torchao's column appears only where
     torchao imports."""
-    from moetrain.quant import bench
+    from benchmarks import quantized_experts
 
     monkeypatch.setitem(sys.modules, "torchao", None)  # as where it is not installed
-    peer, why = bench.torchao_fp8_grouped_mm()
+    peer, why = quantized_experts.torchao_fp8_grouped_mm()
     assert peer is None and why.startswith("torchao not available (ModuleNotFoundError")
-    rows = bench.training_gemm_rows("tiny", 100, 32, 16, 3, torch.device("cpu"), iters=1)
+    rows = quantized_experts.training_gemm_rows("tiny", 100, 32, 16, 3, torch.device("cpu"), iters=1)
     assert [(row["gemm"], row["path"]) for row in rows] == [
         (gemm, path) for gemm in ("gate-up", "down")
         for path in ("bf16", "moetrain fp8", "moetrain fp8, fp8 wgrad", "moetrain fp8_block",
@@ -668,17 +668,17 @@ def test_training_gemm_bench_times_every_path_of_each_expert_gemm(capsys, monkey
     for row in rows:
         assert row["shape"] == "tiny" and row["tflops"] == pytest.approx(flops[row["gemm"]] / (row["ms"] * 1e-3) / 1e12)
     with pytest.raises(SystemExit) as exit_info:
-        bench.main(["--training-gemms", "--device", "cpu"])
+        quantized_experts.main(["--training-gemms", "--device", "cpu"])
     assert exit_info.value.code == 2 and "needs a CUDA device" in capsys.readouterr().err
 
 
 def test_training_quantizer_bench_times_each_quantizer(capsys):
-    """python -m moetrain.quant.bench --training-quantizers: every quantizer of both recipes timed,
+    """python benchmarks/quantized_experts.py --training-quantizers: every quantizer of both recipes timed,
     with the bytes it must move (rows: read 2 + write 1 per bf16 value; the column and tile
     quantizers read twice; the fp32 weight's forward layout reads twice) over its time."""
-    from moetrain.quant import bench
+    from benchmarks import quantized_experts
 
-    rows = bench.training_quantizer_rows("tiny", 96, 32, 16, 3, torch.device("cpu"), iters=1)
+    rows = quantized_experts.training_quantizer_rows("tiny", 96, 32, 16, 3, torch.device("cpu"), iters=1)
     names = [row["quantizer"] for row in rows]
     assert names == ["rows of x", "rows of dy", "expert columns of x", "expert columns of dy", "weight, forward",
                      "weight, dgrad", "weight blocks, forward", "weight blocks, dgrad", "1x128 tiles of x",
@@ -689,5 +689,5 @@ def test_training_quantizer_bench_times_each_quantizer(capsys):
         if row["quantizer"] in moved:
             assert row["gb_per_s"] == pytest.approx(moved[row["quantizer"]] / row["ms"] / 1e6)
     with pytest.raises(SystemExit) as exit_info:
-        bench.main(["--training-quantizers", "--device", "cpu"])
+        quantized_experts.main(["--training-quantizers", "--device", "cpu"])
     assert exit_info.value.code == 2 and "needs a CUDA device" in capsys.readouterr().err

@@ -1,4 +1,4 @@
-"""`python -m moetrain.parallel.bench` on CPU processes (Gloo): the expert-parallel benchmark's code
+"""`python benchmarks/expert_parallel.py` on CPU processes (Gloo): the expert-parallel benchmark's code
 path for dropless SwiGLU experts and padded FFN experts, its FLOP count, and its refusals. The
 figures themselves come from GPUs (docs/distributed.md); here only that every row runs."""
 
@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from moetrain.parallel import bench
+from benchmarks import expert_parallel
 
 SMALL = ["--device", "cpu", "--gpus", "2", "--layers", "1", "--dim", "32", "--hidden", "48", "--experts", "4",
          "--tokens", "64", "--steps", "1", "--warmup", "0"]
@@ -22,7 +22,7 @@ def _report(capsys) -> dict:
                                                                      ("ffn", "1.0", 2, [1, 2])])
 def test_every_row_runs_and_counts_the_expert_flops(capsys, expert, capacity_factor, matmuls, overlaps):
     extra = ["--overlap", "1,2"] if capacity_factor != "0" else []
-    assert bench.main(SMALL + ["--expert", expert, "--capacity-factor", capacity_factor] + extra) == 0
+    assert expert_parallel.main(SMALL + ["--expert", expert, "--capacity-factor", capacity_factor] + extra) == 0
     report = _report(capsys)
     runs = report["runs"]
     assert [run["setup"] for run in runs] == ["1 rank"] + ["2 ranks EP a2a"] * len(overlaps)
@@ -38,7 +38,7 @@ def test_every_row_runs_and_counts_the_expert_flops(capsys, expert, capacity_fac
 
 def test_fp8_rows_travel_in_the_dropless_benchmark(capsys):
     """--precision fp8 with dropless SwiGLU experts: every row runs (FP8 emulated on CPU ranks)."""
-    assert bench.main(SMALL + ["--expert", "swiglu", "--capacity-factor", "0", "--precision", "fp8"]) == 0
+    assert expert_parallel.main(SMALL + ["--expert", "swiglu", "--capacity-factor", "0", "--precision", "fp8"]) == 0
     report = _report(capsys)
     assert report["config"]["precision"] == "fp8"
     assert [run["setup"] for run in report["runs"]] == ["1 rank", "2 ranks EP a2a"]
@@ -46,7 +46,7 @@ def test_fp8_rows_travel_in_the_dropless_benchmark(capsys):
     # the exchange alone, as FP8 rows: 4 experts x capacity 64 * 2 / 4 rows of 32 values + one fp32 scale
     assert report["exchange"]["fp8_mbytes"] == 4 * 32 * (32 + 4) / 1e6 and report["exchange"]["fp8_all_to_all_ms"] > 0
     # the padded layout exchanges the bf16 rows (quantized after the exchange): no FP8 exchange to time
-    assert bench.main(SMALL + ["--precision", "fp8"]) == 0
+    assert expert_parallel.main(SMALL + ["--precision", "fp8"]) == 0
     assert "fp8_all_to_all_ms" not in _report(capsys)["exchange"]
 
 
@@ -58,6 +58,6 @@ def test_fp8_rows_travel_in_the_dropless_benchmark(capsys):
 ])
 def test_refusals_are_one_line(capsys, argv, message):
     with pytest.raises(SystemExit) as exit_info:
-        bench.main(SMALL + argv)
+        expert_parallel.main(SMALL + argv)
     assert exit_info.value.code == 2
     assert message in capsys.readouterr().err.strip().splitlines()[-1]

@@ -1,11 +1,11 @@
 """Expert-parallel training throughput: N GPUs against one, with and without all-to-all overlap,
 and with tokens exchanged by NCCL's all-to-all or through peer memory.
 
-    python -m moetrain.parallel.bench --gpus 2
-    python -m moetrain.parallel.bench --gpus 2 --layers 4 --dim 2048 --hidden 8192 --experts 16
-    python -m moetrain.parallel.bench --gpus 2 --overlap 1 --exchange all_to_all
-    python -m moetrain.parallel.bench --gpus 2 --expert swiglu --capacity-factor 0   # dropless SwiGLU
-    python -m moetrain.parallel.bench --gpus 2 --expert swiglu --capacity-factor 0 --precision fp8
+    python benchmarks/expert_parallel.py --gpus 2
+    python benchmarks/expert_parallel.py --gpus 2 --layers 4 --dim 2048 --hidden 8192 --experts 16
+    python benchmarks/expert_parallel.py --gpus 2 --overlap 1 --exchange all_to_all
+    python benchmarks/expert_parallel.py --gpus 2 --expert swiglu --capacity-factor 0   # dropless SwiGLU
+    python benchmarks/expert_parallel.py --gpus 2 --expert swiglu --capacity-factor 0 --precision fp8
 
 The model is a stack of pre-norm residual MoE blocks (x + MoE(LayerNorm(x))), so MoE layers are
 nearly all of the work; bf16 weights and activations, fp32 router. The experts are two-matrix FFNs
@@ -49,8 +49,8 @@ from moetrain import MoELayer, collectives
 from moetrain.parallel.expert import EXCHANGES, parallelize
 from moetrain.parallel.launch import spawn
 from moetrain.parallel.optimizer import DistributedOptimizer
-from moetrain.moe.experts import PRECISIONS
 from moetrain.precision.fp8_matmul import fp8_supported
+from moetrain.precision.recipes import PRECISIONS
 from moetrain.timing import median_ms
 
 
@@ -273,7 +273,7 @@ def _multi_gpu(rank: int, world: int, args, out_path: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m moetrain.parallel.bench", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python benchmarks/expert_parallel.py", description=__doc__.splitlines()[0])
     parser.add_argument("--gpus", type=int, default=2)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--dim", type=int, default=2048)

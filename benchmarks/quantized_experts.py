@@ -1,11 +1,11 @@
 """Quantized MoE inference benchmark: one MoE layer per format, decode- and prefill-style batches.
 
-    python -m moetrain.quant.bench                       # GPU: mixtral and fine-grained shapes
-    python -m moetrain.quant.bench --shapes small --device cpu --iters 2    # a quick CPU smoke run
-    python -m moetrain.quant.bench --json results.json
-    python -m moetrain.quant.bench --kernels             # GPU: one weight's GEMM on every path
-    python -m moetrain.quant.bench --training-quantizers # each FP8 training quantizer alone
-    python -m moetrain.quant.bench --training-gemms      # each expert GEMM in bf16, fp8, fp8_block, torchao
+    python benchmarks/quantized_experts.py                       # GPU: mixtral and fine-grained shapes
+    python benchmarks/quantized_experts.py --shapes small --device cpu --iters 2    # a quick CPU smoke run
+    python benchmarks/quantized_experts.py --json results.json
+    python benchmarks/quantized_experts.py --kernels             # GPU: one weight's GEMM on every path
+    python benchmarks/quantized_experts.py --training-quantizers # each FP8 training quantizer alone
+    python benchmarks/quantized_experts.py --training-gemms      # each expert GEMM in bf16, fp8, fp8_block, torchao
 
 For every format (bf16 = the float MoELayer in bf16, the baseline) it prints the expert-weight
 memory, the GEMM path taken for decode and for prefill (moetrain.quant.matmul.cuda_path), the
@@ -421,7 +421,7 @@ def main(argv: list[str] | None = None) -> None:
         kernel_timings(args, device)
         return
     card = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    print(f"moetrain.quant.bench: torch {torch.__version__}, {card}, expert={args.expert}, "
+    print(f"benchmarks/quantized_experts.py: torch {torch.__version__}, {card}, expert={args.expert}, "
           f"decode {args.decode_tokens} / prefill {args.prefill_tokens} tokens, median of {args.iters}; times in ms")
     print(HEADER)
     print("-" * len(HEADER), flush=True)

@@ -1,7 +1,7 @@
 """Does this distributed setup compute what one process computes? A self-check for a machine or cluster.
 
-    python -m moetrain.parallel.check --nproc 2               # Gloo on CPU, or NCCL when GPUs are visible
-    python -m moetrain.parallel.check --nproc 4 --backend gloo
+    python benchmarks/parallel_check.py --nproc 2               # Gloo on CPU, or NCCL when GPUs are visible
+    python benchmarks/parallel_check.py --nproc 4 --backend gloo
 
 Each rank runs, against a single-process reference computed from the same seeds:
   - every communication primitive of moetrain.collectives, forward and backward, against a one-process
@@ -33,9 +33,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from moetrain import MoELayer, collectives
-from moetrain.moe import update_router_biases
+from moetrain.moe import set_activation_checkpointing, update_router_biases
 from moetrain.parallel import checkpoint as ckpt
-from moetrain.moe import set_activation_checkpointing
 from moetrain.parallel.expert import parallelize, set_adaptive_r
 from moetrain.parallel.fsdp import global_grad_norm, shard_model, sync_router_biases_after_step
 from moetrain.parallel.launch import choose_backend, spawn
@@ -365,7 +364,7 @@ def failures(results: dict) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m moetrain.parallel.check", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python benchmarks/parallel_check.py", description=__doc__.splitlines()[0])
     parser.add_argument("--nproc", type=int, default=2, help="processes to start (one per GPU with NCCL)")
     parser.add_argument("--backend", choices=("nccl", "gloo"), default=None, help="default: NCCL with GPUs, else Gloo")
     parser.add_argument("--impl", choices=("kernel", "torch"), default="kernel", help="the MoE layers' dispatch/combine")
