@@ -60,7 +60,7 @@ from moetrain.command_errors import (
 from moetrain.config import Config, ConfigError, GateConfig, Mode, SettingError, did_you_mean, validate
 from moetrain.data import DataModule
 from moetrain.models.presets import PRESETS
-from moetrain.models.routing import flat_routing, layer_kwargs, setting_owners
+from moetrain.models.routing_settings import flat_routing, layer_kwargs, setting_owners
 from moetrain.moe import EXPERTS, GATES
 from moetrain.ops import ExtensionUnavailable
 from moetrain.quant import FORMATS
@@ -347,7 +347,7 @@ def train(cfg: DictConfig, run_dir: Path, distributed: bool = False) -> dict:
     log.info("run directory %s", run_dir)
     # Imported here: FSDP's and DCP's modules take about a second to import, which every command
     # (its --help and its bad-input errors included) would otherwise wait for.
-    from moetrain.parallel.training import Distributed  # noqa: PLC0415
+    from moetrain.parallel.processes import Distributed  # noqa: PLC0415
 
     data, model = build(config)
     log.info("model %s: %.2fM parameters", config.model["_target_"], sum(p.numel() for p in model.parameters()) / 1e6)

@@ -91,11 +91,11 @@ class OptimizerName(Enum):
 class GateConfig:
     """How tokens are routed to experts. The model option fills it with the model's own routing
     (its preset's); a gate option (gate=NAME) or key (gate.KEY=VALUE) changes only what it names.
-    Every MoE layer of the model gets these settings (moetrain/models/routing.py)."""
+    Every MoE layer of the model gets these settings (moetrain/models/routing_settings.py)."""
 
     type: str = "top"  # a registered gate (moetrain.moe.GATES): top, cosine, sigmoid
     top_k: int = 2
-    capacity_factor: float = 1.0  # expert capacity = top_k * int(factor * ceil(tokens / experts)); 0 = dropless
+    capacity_factor: float = 1.0  # > 0 padded, 0 dropless, < 0 dropless capped: moetrain/moe/routing.py says how
     balance_loss_weight: float = 0.01  # weight of the load-balancing loss added to the training loss
     balance_loss: BalanceLoss = BalanceLoss.micro_batch  # over which tokens the loss counts f_e
     z_loss_weight: float = 0.0  # weight of the router z-loss (ST-MoE)
@@ -252,7 +252,6 @@ def validate(cfg: Config, quant_formats: Sequence[str]) -> None:
             f"gate.top_k={gate.top_k} exceeds model.num_experts={num_experts}: "
             f"lower gate.top_k or raise model.num_experts",
         )
-    _require(gate.capacity_factor >= 0, f"gate.capacity_factor must be >= 0 (0 = dropless), got {gate.capacity_factor}")
     parallel = cfg.parallel
     _require(parallel.nproc_per_node >= 1, f"parallel.nproc_per_node must be >= 1, got {parallel.nproc_per_node}")
     _require(parallel.adaptive_r >= 0, f"parallel.adaptive_r must be >= 0 (0 data parallel, 1 expert parallel), got {parallel.adaptive_r}")

@@ -136,7 +136,7 @@ def _break_into(reference: Path, run_dir: Path, how: dict) -> None:
 
 
 def dist_worker(rank: int, world_size: int, out_dir: str) -> None:
-    from moetrain.parallel.training import Distributed
+    from moetrain.parallel.processes import Distributed
 
     out = Path(out_dir)
     logging.getLogger().addHandler(logging.FileHandler(out / f"log{rank}.txt"))

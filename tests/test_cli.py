@@ -87,6 +87,23 @@ def test_command_line_settings_reach_every_moe_layer(compose):
     assert model.head.out_features == 10 and model.patch_embed.in_channels == 3  # sizes from the data
 
 
+def test_a_negative_capacity_factor_is_the_capped_layout_on_the_command_line_too(compose):
+    """The library and the command line take the same capacity factors (moetrain/moe/routing.py):
+    gate.capacity_factor=-0.5 builds layers that route dropless, packed, capped at
+    top_k * int(0.5 * ceil(tokens / experts)) rows an expert."""
+    overrides = ["gate.capacity_factor=-0.5", "gate.impl=torch", "model.num_experts=4", "model.moe_every=1",
+                 *TINY_SYNTHETIC]
+    data, model = cli.build(cli.checked(compose(overrides)))
+    layer = next(m for m in model.modules() if isinstance(m, MoELayer))
+    assert layer.capacity_factor == -0.5
+    tokens_TD = torch.randn(64, layer.model_dim)
+    layer(tokens_TD)
+    limit = layer.top_k * int(0.5 * -(-64 // 4))
+    assert layer.stats.padded_capacity is None  # packed, as dropless
+    assert torch.equal(layer.stats.kept_per_expert, layer.stats.tokens_per_expert.clamp(max=limit))
+    assert layer.stats.dropped_fraction > 0  # the cap bit: 64 tokens x 2 choices over 4 experts of 16 rows
+
+
 @pytest.mark.parametrize("gate", ["top", "switch", "gshard", "cosine", "sigmoid", "qwen3"])
 def test_every_gate_preset_builds_and_routes(compose, gate):
     overrides = [f"gate={gate}", "gate.impl=torch", "model.depth=2", "model.moe_every=1", *TINY_SYNTHETIC]

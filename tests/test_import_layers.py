@@ -63,8 +63,8 @@ def test_quant_does_not_import_data_or_models():
 
 def test_the_trainer_does_not_import_models_and_the_processes_do_not_import_each_other():
     assert not any(name.startswith("moetrain.models") for name in imported(MODULES["moetrain.train.trainer"]))
-    single, distributed = MODULES["moetrain.train.processes"], MODULES["moetrain.parallel.training"]
-    assert not any(name.startswith("moetrain.parallel.training") for name in imported(single))
+    single, distributed = MODULES["moetrain.train.processes"], MODULES["moetrain.parallel.processes"]
+    assert not any(name.startswith("moetrain.parallel.processes") for name in imported(single))
     assert not any(name.startswith("moetrain.train.processes") for name in imported(distributed))
 
 

@@ -16,7 +16,7 @@ from hydra.utils import instantiate
 
 from moetrain.cli import checked, register_configs
 from moetrain.models import MoETransformerLM, parameter_counts
-from moetrain.models.routing import layer_kwargs
+from moetrain.models.routing_settings import layer_kwargs
 from moetrain.moe import moe_layers
 
 TINY_RECIPES = ["deepseek_moe_lm", "qwen3_moe_lm", "kimi_k2_lm"]

@@ -17,7 +17,7 @@ import yaml
 
 from moetrain import cli
 from moetrain.models.presets import PRESETS
-from moetrain.models.routing import layer_kwargs
+from moetrain.models.routing_settings import layer_kwargs
 from moetrain.moe import GATES, MoELayer, moe_layers
 
 # Published routing: gate, top-k, weights renormalised, (groups, groups kept), routed scaling, expert

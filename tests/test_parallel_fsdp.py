@@ -42,7 +42,7 @@ from moetrain.parallel import spawn
 from moetrain.parallel.expert import host_group, set_adaptive_r
 from moetrain.parallel.fsdp import whole_world_mesh
 from moetrain.parallel.layout import ExpertLayout, collective_timeout
-from moetrain.parallel.training import Distributed
+from moetrain.parallel.processes import Distributed
 from moetrain.train import Trainer, seed_everything
 
 STEPS = 20

@@ -14,7 +14,7 @@ from test_parallel_fsdp import assert_close, record_steps, tiny_trainer
 
 from moetrain.config import Device, ParallelConfig, Precision
 from moetrain.parallel import spawn
-from moetrain.parallel.training import Distributed
+from moetrain.parallel.processes import Distributed
 
 FIRST, TOTAL = 3, 6  # the checkpoint resumed; the last step
 

@@ -28,7 +28,7 @@ SCRIPT = textwrap.dedent("""
     from test_parallel_fsdp import record_steps, tiny_trainer
     from moetrain.config import ParallelConfig
     from moetrain.parallel import init_from_torchrun
-    from moetrain.parallel.training import Distributed
+    from moetrain.parallel.processes import Distributed
 
     init_from_torchrun("gloo", timeout_s=120)
     out, rank, world = Path(sys.argv[1]), dist.get_rank(), dist.get_world_size()

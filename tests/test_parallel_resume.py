@@ -20,7 +20,7 @@ from test_parallel_fsdp import assert_close, record_steps, tiny_trainer
 
 from moetrain.config import ParallelConfig
 from moetrain.parallel import spawn
-from moetrain.parallel.training import Distributed
+from moetrain.parallel.processes import Distributed
 from moetrain.train import checkpoint
 
 FIRST, TOTAL = 3, 8  # checkpoints of steps 1 to FIRST; the resumed runs go on to step TOTAL
