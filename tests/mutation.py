@@ -175,11 +175,11 @@ MUTANTS = [
            'pooled_BD = x_BPD[:, 0] if self.pool == "cls" else x_BPD[:, 1:].mean(dim=1)',
            ("tests/test_models_vision.py",), "mean pooling drops the first patch"),
     # ---- CLI (the issue's: exit code of a failed run)
-    Mutant("exit_code_training_failed", "moetrain/cli.py", "EXIT_TRAINING_FAILED = 1", "EXIT_TRAINING_FAILED = 3",
+    Mutant("exit_code_training_failed", "moetrain/command_errors.py", "EXIT_TRAINING_FAILED = 1", "EXIT_TRAINING_FAILED = 3",
            ("tests/test_exit_codes.py",), "a failed training run exits 3"),
-    Mutant("exit_code_interrupted", "moetrain/cli.py", "EXIT_INTERRUPTED = 130", "EXIT_INTERRUPTED = 1",
+    Mutant("exit_code_interrupted", "moetrain/command_errors.py", "EXIT_INTERRUPTED = 130", "EXIT_INTERRUPTED = 1",
            ("tests/test_exit_codes.py",), "Ctrl-C exits 1"),
-    Mutant("exit_code_config_error", "moetrain/cli.py", "EXIT_CONFIG_ERROR = 2", "EXIT_CONFIG_ERROR = 1",
+    Mutant("exit_code_config_error", "moetrain/command_errors.py", "EXIT_CONFIG_ERROR = 2", "EXIT_CONFIG_ERROR = 1",
            ("tests/test_exit_codes.py",), "a configuration mistake exits 1"),
     # ---- quantization (the issue's: an MXFP4 scale one binade off)
     Mutant("mxfp4_scale_binade_up", "moetrain/precision/formats.py",
