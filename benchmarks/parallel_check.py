@@ -15,7 +15,7 @@ Each rank runs, against a single-process reference computed from the same seeds:
     ("fsdp"), and experts placed by expert parallelism then sharded over their replicas with
     selective activation checkpointing ("fsdp_ep"); outputs, weights (gathered), the global
     gradient norm and the router bias against the same reference;
-  - a per-rank checkpoint is written for the conversion checks (tests/test_dist.py).
+  - a per-rank checkpoint is written for the conversion checks (tests/parallel/test_dist.py).
 The reference model sees each rank's batch in turn (capacities are per rank, as in the real run).
 """
 

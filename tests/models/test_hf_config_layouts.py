@@ -5,7 +5,7 @@ checkpoints carry it) and as transformers 5 writes it, which
   - saves Qwen3-MoE's expert count as `num_local_experts` (Qwen3MoeConfig maps num_experts onto it),
   - writes the dtype as `dtype`.
 Both layouts of the same tiny checkpoint load to the same model, whose logits match the
-independent implementation of tests/test_hf_loading.py; a key that changes the numbers and cannot
+independent implementation of tests/models/test_hf_loading.py; a key that changes the numbers and cannot
 be read is an error naming it and the file, never a default.
 """
 

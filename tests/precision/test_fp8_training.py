@@ -202,9 +202,9 @@ def _exact_blocks(experts: int, k: int, n: int) -> torch.Tensor:
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CUDA tests run the kernels there, rounding included")
 def test_quantizers_in_the_interpreter():
     pytest.importorskip("triton")
-    command = ("import sys; sys.path.insert(0, 'tests'); import test_fp8_training as t; "
+    command = ("import sys; sys.path.insert(0, 'tests/precision'); import test_fp8_training as t; "
                "t.quantizer_interpreter_checks()")
-    result = subprocess.run([sys.executable, "-c", command], cwd=Path(__file__).resolve().parents[1],
+    result = subprocess.run([sys.executable, "-c", command], cwd=Path(__file__).resolve().parents[2],
                             env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0 and result.stdout.strip() == "ok", result.stdout[-2000:] + result.stderr[-4000:]
 
@@ -520,7 +520,7 @@ def test_the_layer_gathers_tokens_in_fp8_only_where_its_experts_and_layout_allow
     assert not layer._first_gemm_gathers(plan, None, None)
     with torch.no_grad():
         assert layer._first_gemm_gathers(plan, None, None)
-    # under expert parallelism: tests/test_fp8_exchange.py
+    # under expert parallelism: tests/precision/test_fp8_exchange.py
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -17,7 +17,7 @@ from test_parallel_fsdp import assert_close, record_steps, tiny_trainer
 from moetrain.parallel import free_port
 
 TESTS = Path(__file__).resolve().parent
-STEPS = 4  # the rendezvous is under test here; tests/test_parallel_fsdp.py trains every layout for longer
+STEPS = 4  # the rendezvous is under test here; tests/parallel/test_parallel_fsdp.py trains every layout for longer
 
 SCRIPT = textwrap.dedent("""
     import os, sys

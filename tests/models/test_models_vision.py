@@ -40,8 +40,8 @@ def test_logits_shape_and_moe_placement(pool, expert):
 def reference_vit(model, images):
     """The ViT forward from its definition (Dosovitskiy et al. 2021, pre-norm blocks), in float64:
     patches cut by hand, LayerNorm and multi-head attention from their formulas, dense FFNs as
-    fc2(gelu(fc1 x)), MoE FFNs by the naive token loop of tests/test_moe_layer.py."""
-    from test_moe_layer import naive_moe
+    fc2(gelu(fc1 x)), MoE FFNs by the naive token loop of tests/moe/test_moe_layer.py."""
+    from moe.test_moe_layer import naive_moe  # tests/moe/
 
     def layer_norm(x, norm):
         mean = x.mean(-1, keepdim=True)

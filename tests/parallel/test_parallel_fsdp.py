@@ -223,7 +223,7 @@ def test_activation_checkpointing_changes_no_number(ranks, layout):
 @pytest.mark.parametrize("layout", FP8_LAYOUTS)
 def test_fp8_with_placed_experts_trains_like_one_process(ranks, one_process, layout):
     """trainer.precision=fp8 (emulated on the CPU) with the experts placed by expert parallelism,
-    FSDP-sharded or not. The E4M3 rows travel (tests/test_fp8_exchange.py), so each expert's forward
+    FSDP-sharded or not. The E4M3 rows travel (tests/precision/test_fp8_exchange.py), so each expert's forward
     GEMM multiplies the operands it multiplies in one process: step 1's loss and aux loss match one
     process's fp8 run within TOLERANCE. Its gradient norm is within 1e-3 (measured: 2-4e-4): the
     first GEMM's weight gradient comes from the received FP8 rows (double quantization), and on 4

@@ -1,7 +1,7 @@
 """Two GPUs over NCCL (marker multigpu): fsdp_expert training, with its sharded checkpoints
 written asynchronously, takes the steps of one GPU that sees the same items (fp32, <= 1e-5
 relative), and a one-GPU run resumed from the two-GPU checkpoint continues that curve. The same
-checks on CPU ranks over Gloo live in tests/test_parallel_fsdp.py and tests/test_parallel_resume.py;
+checks on CPU ranks over Gloo live in tests/parallel/test_parallel_fsdp.py and tests/parallel/test_parallel_resume.py;
 these are the ones the CPU cannot make: NCCL, CUDA tensors, DCP from GPU memory."""
 
 from __future__ import annotations

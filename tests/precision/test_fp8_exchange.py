@@ -243,7 +243,7 @@ def test_two_ranks_give_the_one_process_layer(two_ranks, precision, fp8_wgrad):
     as they arrive. The first GEMM's differs from one process's: its rows were quantized where they
     came from, and the weight gradient is taken from them dequantized (in bf16, or quantized again
     per column with fp8_wgrad="fp8"). Against the bf16 layer's it stays within the FP8 layer bound
-    (10 %, tests/test_fp8_training.py) and within 1.25x one process's error (measured: bf16 5.8-6.1 %
+    (10 %, tests/precision/test_fp8_training.py) and within 1.25x one process's error (measured: bf16 5.8-6.1 %
     against one process's 5.2-5.5 %; fp8 6.6-6.9 % against 6.1-6.4 %)."""
     x, probe = _inputs(2)
     single = _step(_layer(precision, fp8_wgrad), x, probe)

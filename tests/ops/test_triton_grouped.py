@@ -20,7 +20,7 @@ import torch
 
 from moetrain.ops import triton_grouped as tg
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SM90 = [pytest.mark.cuda, pytest.mark.skipif(
     not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0), reason="no sm90 GPU")]
 # Small tiles for the interpreter: several row, column and K tiles on small operands.
@@ -127,7 +127,7 @@ def interpreter_checks() -> None:
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CUDA tests run the kernels there")
 def test_kernels_in_the_interpreter():
     pytest.importorskip("triton")
-    command = "import sys; sys.path.insert(0, 'tests'); import test_triton_grouped as t; t.interpreter_checks()"
+    command = "import sys; sys.path.insert(0, 'tests/ops'); import test_triton_grouped as t; t.interpreter_checks()"
     result = subprocess.run([sys.executable, "-c", command], cwd=ROOT, env={**os.environ, "TRITON_INTERPRET": "1"},
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0 and result.stdout.strip() == "ok", result.stdout[-2000:] + result.stderr[-4000:]
