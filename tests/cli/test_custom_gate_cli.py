@@ -67,8 +67,10 @@ def vision_moe_with_bias_free_experts(**kwargs) -> VisionMoE:
 
 
 def run_moetrain(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    # This file's folder on the path: how a user makes their own module importable.
+    # This file's folder on the path: how a user makes their own module importable (and tests/, for
+    # the conftest this file imports).
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(Path(__file__).parent),
+                                                                   str(Path(__file__).parent.parent),
                                                                    os.environ.get("PYTHONPATH")])),
                OMP_NUM_THREADS="1")
     return subprocess.run([sys.executable, "-m", "moetrain", *args], cwd=cwd, env=env, capture_output=True,

@@ -82,7 +82,8 @@ def wait_for(condition, seconds: float, what: str) -> float:
 
 def start_launcher(out: Path, timeout_s: float) -> tuple[subprocess.Popen, list[int]]:
     """The launcher and its two workers' pids, once both workers are past their first collective."""
-    environment = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])}
+    environment = {**os.environ,
+                   "PYTHONPATH": os.pathsep.join([str(TESTS), str(TESTS.parent), os.environ.get("PYTHONPATH", "")])}
     launcher = subprocess.Popen([sys.executable, "-c", LAUNCHER, str(out), str(timeout_s)], env=environment,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
