@@ -26,7 +26,7 @@ from moetrain.models.anatomy import anatomy_table, step_anatomy
 from moetrain.models.lm import MoETransformerLM, flops_per_token, parameter_counts
 from moetrain.models.presets import PRESETS, build_lm
 from moetrain.moe import moe_layers, recompute, set_activation_checkpointing, update_router_biases
-from moetrain.moe.experts import FP8_WGRADS, PRECISIONS
+from moetrain.precision.recipes import FP8_WGRADS, PRECISIONS
 
 def model_flops_utilization(tokens_per_second: float, model: MoETransformerLM, seq_len: int, device) -> float | None:
     peak = peak_bf16_flops(device)

@@ -24,7 +24,6 @@ from torch import nn
 from moetrain import ops
 from moetrain.ops import packed_bias, swiglu
 from moetrain.ops.grouped import add_expert_bias, expert_matmul, expert_of_rows, padded_matmul, padded_uses_bmm
-from moetrain.precision.recipes import FP8_WGRADS, PRECISIONS, check_fp8_wgrad, check_precision  # noqa: F401  (Experts' settings)
 
 
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {"relu": F.relu, "gelu": F.gelu, "silu": F.silu}
