@@ -691,3 +691,13 @@ def test_training_quantizer_bench_times_each_quantizer(capsys):
     with pytest.raises(SystemExit) as exit_info:
         quantized_experts.main(["--training-quantizers", "--device", "cpu"])
     assert exit_info.value.code == 2 and "needs a CUDA device" in capsys.readouterr().err
+
+
+def test_the_config_names_the_same_fp8_settings_as_the_layer():
+    """The config schema (a leaf: it imports no moetrain module) spells the FP8 settings again for
+    the command line; moetrain.precision.recipes owns them, and the two lists must stay one."""
+    from moetrain.config import FP8Wgrad, Precision
+    from moetrain.precision.recipes import FP8_PRECISIONS, FP8_WGRADS
+
+    assert tuple(member.value for member in FP8Wgrad) == FP8_WGRADS
+    assert [member.value for member in Precision if member.value.startswith("fp8")] == list(FP8_PRECISIONS)
