@@ -1,6 +1,7 @@
-"""Layers point one way: only the command-line modules know Hydra, and config.py (the schema) is a
-leaf that imports no other part of moetrain. Read from each module's own import statements (the
-AST), so a late or conditional import counts too."""
+"""Layers point one way: every import points down the floors that moetrain/__init__.py lists, none
+runs in a circle, only the command-line modules know Hydra, and config.py (the schema) is a leaf
+that imports no other part of moetrain. Read from each module's own import statements (the AST), so
+a late or conditional import counts too."""
 
 from __future__ import annotations
 
