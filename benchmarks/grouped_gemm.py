@@ -21,7 +21,7 @@ from moetrain.ops.triton_grouped import (
     FP8, SCALE_BLOCK, default_config, grouped_mm, grouped_mm_reference, grouped_mm_wgrad, grouped_mm_wgrad_reference,
     triton,
 )
-from moetrain.precision import fp8_matmul, kernels
+from moetrain.precision import fp8_quantize, kernels
 from moetrain.timing import median_ms
 
 # Expert GEMMs of LM shapes: tokens T, model dim D, expert hidden dim H, experts E, top-k.
@@ -137,7 +137,7 @@ def _bench_gemm(shape: str, gemm: str, counts: list[int], k: int, n: int, seed: 
                 device="cuda") -> list[dict]:
     """Forward (x @ w), dgrad (dy @ w^T) and wgrad (x^T dy per expert) of one expert GEMM with
     weights w [E, k, n], in bf16 (ours, torch._grouped_mm), FP8 row-wise (ours and
-    torch._scaled_grouped_mm, on the operands moetrain.precision.fp8_matmul gives it) and FP8 128-blocks
+    torch._scaled_grouped_mm, on the operands moetrain.precision.fp8_quantize gives it) and FP8 128-blocks
     (ours). FP8 operands are stored with the reduction dimension contiguous."""
     rows, num_experts, bf16 = sum(counts), len(counts), torch.bfloat16
     counts_E = torch.tensor(counts, device=device)
@@ -169,23 +169,23 @@ def _bench_gemm(shape: str, gemm: str, counts: list[int], k: int, n: int, seed: 
            (x, dy, ends_E), bf16)
     record("wgrad", "bf16 torch", lambda cfg: torch._grouped_mm(x.t(), dy, offs=ends_E), (x, dy, ends_E))
     # FP8 row-wise
-    xq, sx = fp8_matmul.quantize_rows(x)
-    wq, sw = fp8_matmul.quantize_weight(w, over=1)  # [E, n, k], scales [E, n]
+    xq, sx = fp8_quantize.quantize_rows(x)
+    wq, sw = fp8_quantize.quantize_weight(w, over=1)  # [E, n, k], scales [E, n]
     ops = (xq, wq.transpose(1, 2), ends_E, sx, sw, 0)
     record("fwd", "fp8 row ours", lambda cfg: grouped_mm(*ops[:5], config=cfg), ops, FP8)
     record("fwd", "fp8 row torch", lambda cfg: torch._scaled_grouped_mm(
         xq, ops[1], sx, sw, offs=ends_E, out_dtype=bf16), ops)
-    dyq, sdy = fp8_matmul.quantize_rows(dy)
-    wq, sw = fp8_matmul.quantize_weight(w, over=2)  # [E, k, n], scales [E, k]
+    dyq, sdy = fp8_quantize.quantize_rows(dy)
+    wq, sw = fp8_quantize.quantize_weight(w, over=2)  # [E, k, n], scales [E, k]
     ops = (dyq, wq.transpose(1, 2), ends_E, sdy, sw, 0)
     record("dgrad", "fp8 row ours", lambda cfg: grouped_mm(*ops[:5], config=cfg), ops, FP8)
     record("dgrad", "fp8 row torch", lambda cfg: torch._scaled_grouped_mm(
         dyq, ops[1], sdy, sw, offs=ends_E, out_dtype=bf16), ops)
     del wq, ops
     # wgrad: each expert's rows padded to 16 for torch (zeros), scales per expert and column
-    padded_ends_E = fp8_matmul.padded_ends(counts_E)
+    padded_ends_E = fp8_quantize.padded_ends(counts_E)
     padded = int(padded_ends_E[-1])
-    xq_KP, sx_EK, dyq_NP, sdy_EN = fp8_matmul.quantize_column_pair(x, dy, counts_E, padded)
+    xq_KP, sx_EK, dyq_NP, sdy_EN = fp8_quantize.quantize_column_pair(x, dy, counts_E, padded)
     ops = (xq_KP.t(), dyq_NP.t(), padded_ends_E, sx_EK, sdy_EN, 0)
     record("wgrad", "fp8 row ours", lambda cfg: grouped_mm_wgrad(*ops[:5], out_dtype=bf16, config=cfg), ops, FP8)
     record("wgrad", "fp8 row torch", lambda cfg: torch._scaled_grouped_mm(

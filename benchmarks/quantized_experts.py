@@ -15,7 +15,7 @@ relative difference of the device paths against the fp32 emulation on one expert
 decode- and prefill-sized row counts).
 Dispatch and combine use the pure-torch path so that no compiled extension is needed.
 
---training-quantizers instead times each quantizer of FP8 training (moetrain.precision.fp8_matmul) alone
+--training-quantizers instead times each quantizer of FP8 training (moetrain.precision.fp8_quantize) alone
 on the expert rows of the LM benchmark shapes (x [R, D] and dy [R, 2H] bf16, w [E, D, 2H] fp32,
 equal rows per expert): milliseconds, and GB/s of the bytes each must move at least (reads and
 writes; the per-expert column quantizers read their input twice, once for the maxima), beside a
@@ -274,7 +274,7 @@ TRAINING_SHAPES = {"moe_1b5": (65536, 2048, 2048, 8), "qwen3_30b": (131072, 2048
 def training_quantizer_rows(name: str, rows: int, dim: int, hidden: int, experts: int, device: torch.device,
                             iters: int) -> list[dict]:
     """Each FP8 training quantizer alone on one shape: {shape, quantizer, ms, gb_per_s}."""
-    from moetrain.precision import fp8_matmul  # noqa: PLC0415 - Triton kernels, imported when asked for
+    from moetrain.precision import fp8_matmul, fp8_quantize  # noqa: PLC0415 - Triton kernels, imported when asked for
 
     counts_E = torch.full((experts,), rows // experts, device=device, dtype=torch.int64)
     counts_E[-1] += rows - int(counts_E.sum())
@@ -283,16 +283,16 @@ def training_quantizer_rows(name: str, rows: int, dim: int, hidden: int, experts
     w = torch.randn(experts, dim, 2 * hidden, device=device)
     places = fp8_matmul._padded_rows(counts_E, rows)
     cases = {  # name: (call, bytes read + written at least)
-        "rows of x": (lambda: fp8_matmul.quantize_rows(x), x.numel() * 3),
-        "rows of dy": (lambda: fp8_matmul.quantize_rows(dy), dy.numel() * 3),
-        "expert columns of x": (lambda: fp8_matmul.quantize_columns(x, counts_E, places), x.numel() * 5),
-        "expert columns of dy": (lambda: fp8_matmul.quantize_columns(dy, counts_E, places), dy.numel() * 5),
-        "weight, forward": (lambda: fp8_matmul.quantize_weight(w, over=1), w.numel() * 9),
-        "weight, dgrad": (lambda: fp8_matmul.quantize_weight(w, over=2), w.numel() * 5),
-        "weight blocks, forward": (lambda: fp8_matmul.quantize_weight_blocks(w, k_contiguous=True), w.numel() * 5),
-        "weight blocks, dgrad": (lambda: fp8_matmul.quantize_weight_blocks(w, k_contiguous=False), w.numel() * 5),
-        "1x128 tiles of x": (lambda: fp8_matmul.quantize_row_tiles(x), x.numel() * 3),
-        "128x1 tiles of x": (lambda: fp8_matmul.quantize_column_tiles(x), x.numel() * 5),
+        "rows of x": (lambda: fp8_quantize.quantize_rows(x), x.numel() * 3),
+        "rows of dy": (lambda: fp8_quantize.quantize_rows(dy), dy.numel() * 3),
+        "expert columns of x": (lambda: fp8_quantize.quantize_columns(x, counts_E, places), x.numel() * 5),
+        "expert columns of dy": (lambda: fp8_quantize.quantize_columns(dy, counts_E, places), dy.numel() * 5),
+        "weight, forward": (lambda: fp8_quantize.quantize_weight(w, over=1), w.numel() * 9),
+        "weight, dgrad": (lambda: fp8_quantize.quantize_weight(w, over=2), w.numel() * 5),
+        "weight blocks, forward": (lambda: fp8_quantize.quantize_weight_blocks(w, k_contiguous=True), w.numel() * 5),
+        "weight blocks, dgrad": (lambda: fp8_quantize.quantize_weight_blocks(w, k_contiguous=False), w.numel() * 5),
+        "1x128 tiles of x": (lambda: fp8_quantize.quantize_row_tiles(x), x.numel() * 3),
+        "128x1 tiles of x": (lambda: fp8_quantize.quantize_column_tiles(x), x.numel() * 5),
         "copy of x (scale)": (lambda: x.clone(), x.numel() * 4),
     }
     out = []

@@ -22,7 +22,7 @@ import torch
 
 from moetrain import MoELayer
 from moetrain.moe.routing import make_plan
-from moetrain.precision import fp8_matmul
+from moetrain.precision import fp8_matmul, fp8_quantize
 from moetrain.precision.formats import FORMATS, dequantize_fp8_groups, quantize_fp8_groups
 from moetrain.precision.fp8_matmul import fp8_supported
 
@@ -89,8 +89,8 @@ def test_column_quantization_is_the_format_per_expert_column(device, rows, cols,
     x = (torch.randn(rows, cols, generator=g) * torch.logspace(-3, 3, cols)).to(device, torch.bfloat16)
     x[0, 0] = 0
     counts_E = torch.tensor(counts, device=device)
-    padded = int(fp8_matmul.padded_ends(counts_E)[-1]) + (16 if device == "cuda" else 0)  # CUDA: any bound works
-    q_CP, scale_EC = fp8_matmul.quantize_columns(x, counts_E, padded)
+    padded = int(fp8_quantize.padded_ends(counts_E)[-1]) + (16 if device == "cuda" else 0)  # CUDA: any bound works
+    q_CP, scale_EC = fp8_quantize.quantize_columns(x, counts_E, padded)
     assert q_CP.shape == (cols, padded) and scale_EC.shape == (experts, cols)
     q_CP, scale_EC = q_CP.cpu(), scale_EC.cpu()
     start = padded_start = 0
@@ -102,7 +102,7 @@ def test_column_quantization_is_the_format_per_expert_column(device, rows, cols,
             assert torch.equal(got.view(torch.uint8), want_q.view(torch.uint8))
         else:
             assert torch.equal(scale_EC[e], torch.ones(cols))
-        pad = -(-count // fp8_matmul.ALIGN) * fp8_matmul.ALIGN
+        pad = -(-count // fp8_quantize.ALIGN) * fp8_quantize.ALIGN
         assert not q_CP[:, padded_start + count:padded_start + pad].float().any(), "padding columns must be zero"
         start += count
         padded_start += pad
@@ -140,11 +140,11 @@ def quantizer_interpreter_checks() -> None:
             x = _exact_values(sum(counts), cols, starts).to(torch.bfloat16)
             counts_E = torch.tensor(counts, dtype=torch.int64)
             for extra in (0, 32):
-                places = (int(fp8_matmul.padded_ends(counts_E)[-1]) if counts else 0) + extra
+                places = (int(fp8_quantize.padded_ends(counts_E)[-1]) if counts else 0) + extra
                 # with a second operand of other columns, one layout for both (the weight gradient's pair)
                 dy = _exact_values(sum(counts), 40, starts).to(torch.bfloat16)
-                got = fp8_matmul._quantize_column_list_triton([x, dy], counts_E.to(torch.int32), places)
-                want = fp8_matmul.quantize_columns(x, counts_E, places) + fp8_matmul.quantize_columns(dy, counts_E, places)
+                got = fp8_quantize._quantize_column_list_triton([x, dy], counts_E.to(torch.int32), places)
+                want = fp8_quantize.quantize_columns(x, counts_E, places) + fp8_quantize.quantize_columns(dy, counts_E, places)
                 for got_t, want_t in zip(got, want, strict=True):
                     assert got_t.dtype == want_t.dtype and got_t.shape == want_t.shape, (counts, cols, extra)
                     assert torch.equal(got_t.view(torch.uint8) if got_t.dtype == torch.float8_e4m3fn else got_t,
@@ -155,18 +155,18 @@ def quantizer_interpreter_checks() -> None:
     x = _exact_values(60, 48, [0, 25]).to(torch.bfloat16)
     x[30, 7], x[5, 40] = float("nan"), float("-inf")
     counts_E = torch.tensor([25, 35])
-    _, got_scale = fp8_matmul._quantize_columns_triton(x, counts_E, int(fp8_matmul.padded_ends(counts_E)[-1]))
+    _, got_scale = fp8_quantize._quantize_columns_triton(x, counts_E, int(fp8_quantize.padded_ends(counts_E)[-1]))
     nan = torch.zeros(2, 48, dtype=torch.bool)
     nan[1, 7] = nan[0, 40] = True
     assert torch.equal(got_scale.isnan(), nan)
     w = _exact_values(3 * 70, 50, [0, 70, 140]).view(3, 70, 50)  # groups: each expert's K rows of a column
-    got_q, got_scale = fp8_matmul._quantize_weight_columns_triton(w)
-    want_q, want_scale = fp8_matmul.quantize_weight(w, over=1)
+    got_q, got_scale = fp8_quantize._quantize_weight_columns_triton(w)
+    want_q, want_scale = fp8_quantize.quantize_weight(w, over=1)
     assert torch.equal(got_q.view(torch.uint8), want_q.view(torch.uint8)) and torch.equal(got_scale, want_scale)
     for rows in (300, 128, 5):
         x = _exact_values(rows, 40, range(0, rows, 128)).to(torch.bfloat16)
-        got_q, got_scale = fp8_matmul._quantize_column_tiles_triton(x)
-        want_q, want_scale = fp8_matmul.quantize_column_tiles(x)
+        got_q, got_scale = fp8_quantize._quantize_column_tiles_triton(x)
+        want_q, want_scale = fp8_quantize.quantize_column_tiles(x)
         assert torch.equal(got_q.view(torch.uint8), want_q.view(torch.uint8)), rows
         assert torch.equal(got_scale, want_scale), rows
     # 128x128 weight blocks, ragged in K and N, in both layouts; a NaN poisons its block's scale
@@ -174,12 +174,12 @@ def quantizer_interpreter_checks() -> None:
     for k, n in ((200, 130), (128, 256), (5, 7)):
         w = _exact_blocks(3, k, n)
         for k_contiguous in (True, False):
-            got_q, got_scale = fp8_matmul._quantize_weight_blocks_triton(w, k_contiguous)
-            want_q, want_scale = fp8_matmul.quantize_weight_blocks(w, k_contiguous)
+            got_q, got_scale = fp8_quantize._quantize_weight_blocks_triton(w, k_contiguous)
+            want_q, want_scale = fp8_quantize.quantize_weight_blocks(w, k_contiguous)
             assert torch.equal(got_q.view(torch.uint8), want_q.view(torch.uint8)), (k, n, k_contiguous)
             assert torch.equal(got_scale, want_scale), (k, n, k_contiguous)
         w[1, k - 1, n - 1] = float("nan")
-        _, got_scale = fp8_matmul._quantize_weight_blocks_triton(w, True)
+        _, got_scale = fp8_quantize._quantize_weight_blocks_triton(w, True)
         nan = torch.zeros(got_scale.shape, dtype=torch.bool)
         nan[1, -1, -1] = True
         assert torch.equal(got_scale.isnan(), nan), (k, n)
@@ -213,14 +213,14 @@ def test_quantizers_in_the_interpreter():
 def test_row_and_weight_quantization_are_the_formats(device):
     g = torch.Generator().manual_seed(3)
     x = (torch.randn(50, 96, generator=g) * 10).to(device, torch.bfloat16)
-    q, scale = fp8_matmul.quantize_rows(x)
+    q, scale = fp8_quantize.quantize_rows(x)
     want_q, want_scale = quantize_fp8_groups(x.cpu().float(), 96)
     assert torch.equal(q.cpu().view(torch.uint8), want_q.view(torch.uint8))
     assert torch.equal(scale.cpu(), want_scale.view(-1))
     w = torch.randn(3, 32, 48, generator=g).to(device)
     fmt = FORMATS["fp8"]
-    q_ENK, scale_EN = fp8_matmul.quantize_weight(w, over=1)
-    q_EKN, scale_EK = fp8_matmul.quantize_weight(w, over=2)
+    q_ENK, scale_EN = fp8_quantize.quantize_weight(w, over=1)
+    q_EKN, scale_EK = fp8_quantize.quantize_weight(w, over=2)
     for e in range(3):
         forward = fmt.quantize(w[e].cpu().t())
         assert torch.equal(q_ENK[e].cpu().view(torch.uint8), forward["data"].view(torch.uint8))
@@ -321,17 +321,17 @@ def test_block_tiles_are_the_definition_bit_for_bit(device, monkeypatch):
     g = torch.Generator().manual_seed(11)
     x = (torch.randn(300, 200, generator=g) * torch.logspace(-3, 3, 200)).to(device, torch.bfloat16)
     x[:, 128:] = 0  # a zero tile: scale 1
-    q_RK, scale_RKb = fp8_matmul.quantize_row_tiles(x)
+    q_RK, scale_RKb = fp8_quantize.quantize_row_tiles(x)
     want_q, want_scale = _reference_tiles(x, (1, 128))
     assert scale_RKb.shape == (300, 2) and torch.equal(scale_RKb.cpu(), want_scale)
     assert _same_bits(q_RK, want_q)
-    q_KR, scale_RbK = fp8_matmul.quantize_column_tiles(x)
+    q_KR, scale_RbK = fp8_quantize.quantize_column_tiles(x)
     want_q, want_scale = _reference_tiles(x, (128, 1))
     assert q_KR.shape == (200, 300) and scale_RbK.shape == (3, 200)
     assert torch.equal(scale_RbK.cpu(), want_scale) and _same_bits(q_KR.t(), want_q)
     w = (torch.randn(3, 200, 130, generator=g) * torch.logspace(-2, 2, 130)).to(device)
-    q_ENK, scale_EKbNb = fp8_matmul.quantize_weight_blocks(w, k_contiguous=True)
-    q_EKN, scale_again = fp8_matmul.quantize_weight_blocks(w, k_contiguous=False)
+    q_ENK, scale_EKbNb = fp8_quantize.quantize_weight_blocks(w, k_contiguous=True)
+    q_EKN, scale_again = fp8_quantize.quantize_weight_blocks(w, k_contiguous=False)
     assert q_ENK.shape == (3, 130, 200) and q_EKN.shape == (3, 200, 130) and scale_EKbNb.shape == (3, 2, 2)
     assert q_ENK.is_contiguous() and q_EKN.is_contiguous()
     assert torch.equal(scale_again, scale_EKbNb)
@@ -340,9 +340,9 @@ def test_block_tiles_are_the_definition_bit_for_bit(device, monkeypatch):
         assert torch.equal(scale_EKbNb[e].cpu(), want_scale)
         assert _same_bits(q_EKN[e], want_q) and _same_bits(q_ENK[e].t(), want_q)
     # Large layers are quantized a group of experts at a time: the same values and scales.
-    monkeypatch.setattr(fp8_matmul, "_BLOCK_CHUNK", w[0].numel() * 2)
+    monkeypatch.setattr(fp8_quantize, "_BLOCK_CHUNK", w[0].numel() * 2)
     for k_contiguous, (want_q, want_scale) in ((True, (q_ENK, scale_EKbNb)), (False, (q_EKN, scale_again))):
-        q, scale = fp8_matmul.quantize_weight_blocks(w, k_contiguous=k_contiguous)
+        q, scale = fp8_quantize.quantize_weight_blocks(w, k_contiguous=k_contiguous)
         assert _same_bits(q, want_q.cpu()) and torch.equal(scale, want_scale)
 
 
@@ -351,11 +351,11 @@ def test_a_non_finite_value_poisons_only_its_block_tiles(device):
     _skip_unless_supported(device, "fp8_block")
     x = torch.randn(260, 300, device=device, dtype=torch.bfloat16)
     x[130, 5] = float("inf")
-    _, row_scale = fp8_matmul.quantize_row_tiles(x)
-    _, column_scale = fp8_matmul.quantize_column_tiles(x)
+    _, row_scale = fp8_quantize.quantize_row_tiles(x)
+    _, column_scale = fp8_quantize.quantize_column_tiles(x)
     w = torch.randn(1, 260, 300, device=device)
     w[0, 130, 5] = float("nan")
-    _, block_scale = fp8_matmul.quantize_weight_blocks(w, k_contiguous=True)
+    _, block_scale = fp8_quantize.quantize_weight_blocks(w, k_contiguous=True)
     for scale, where in ((row_scale, (130, 0)), (column_scale, (1, 5)), (block_scale[0], (1, 0))):
         nan = torch.zeros(scale.shape, dtype=torch.bool)
         nan[where] = True
