@@ -14,7 +14,8 @@ import sys
 
 import torch
 
-from moetrain import bench, timing
+import layer as bench  # benchmarks/layer.py (this script's folder): python -m moetrain.bench
+from moetrain import timing
 
 
 def median_ms(fn):

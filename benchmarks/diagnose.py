@@ -15,7 +15,8 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from moetrain import bench, timing
+import layer as bench  # benchmarks/layer.py (this script's folder): python -m moetrain.bench
+from moetrain import timing
 from moetrain.moe import experts as experts_module
 from moetrain.moe import losses
 from moetrain.ops.grouped import add_expert_bias, expert_matmul

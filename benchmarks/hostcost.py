@@ -16,8 +16,8 @@ import time
 
 import torch
 
-from anatomy import layer_step, median_ms  # benchmarks/, this script's folder
-from moetrain import bench
+import layer as bench  # benchmarks/, this script's folder
+from anatomy import layer_step, median_ms
 
 
 def host_ms(step, n=20):

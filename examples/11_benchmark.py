@@ -8,9 +8,14 @@ Figure of merit (PERFORMANCE.md): useful expert TFLOP/s = tokens * D * H * k * 2
 time. On a GPU: bf16, CUDA-event timings; on a CPU: fp32 and the ratios matter, not the numbers.
 """
 
+import sys
+from pathlib import Path
+
 import torch
 
-from moetrain.bench import Shape, bench_shape, build_layer, naive_moe
+# The harness is the repository's benchmarks/layer.py (benchmarks/ sits beside examples/).
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+from layer import Shape, bench_shape, build_layer, naive_moe  # noqa: E402
 
 
 def main(tokens=1024, model_dim=128, hidden_size=256, num_experts=8, top_k=2, warmup=2, steps=5):

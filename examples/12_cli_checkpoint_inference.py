@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from moetrain.models.routing import layer_kwargs
+from moetrain.models.routing_settings import layer_kwargs
 
 
 def latest_checkpoint(path: Path) -> Path:

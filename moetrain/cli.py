@@ -32,17 +32,13 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
-import importlib
-import inspect
 import itertools
 import logging
 import os
-import re
 import shutil
 import signal
 import sys
 import threading
-import types
 import typing
 from importlib import resources
 from pathlib import Path
@@ -55,27 +51,24 @@ from hydra.core.global_hydra import GlobalHydra
 from hydra.core.hydra_config import HydraConfig
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.utils import run_job
-from hydra.errors import HydraException, InstantiationException, MissingConfigException
+from hydra.errors import HydraException, InstantiationException
 from hydra.experimental.callback import Callback
 from hydra.types import HydraContext, RunMode
 from omegaconf import DictConfig, OmegaConf, open_dict
-from omegaconf.errors import (
-    ConfigAttributeError,
-    ConfigKeyError,
-    InterpolationResolutionError,
-    MissingMandatoryValue,
-    OmegaConfBaseException,
-    ValidationError,
-)
+from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
 from tqdm import tqdm
 
+from moetrain.command_errors import (
+    CONFIG_MODULE, CONFIG_NAME, EXIT_CONFIG_ERROR, EXIT_INTERRUPTED, EXIT_TRAINING_FAILED, check_target, explain, fail,
+    in_config_keys, node_under, omegaconf_cause, one_line, target_arguments,
+)
 from moetrain.config import Config, ConfigError, GateConfig, Mode, SettingError, did_you_mean, validate
 from moetrain.data import DataModule
 from moetrain.models.hf import CheckpointError as HFCheckpointError
 from moetrain.models.hf import pretrained_lm, read_pretrained_config, training_routing
 from moetrain.models.lm import LMConfig
 from moetrain.models.presets import PRESETS
-from moetrain.models.routing import flat_routing, layer_kwargs, setting_owners
+from moetrain.models.routing_settings import flat_routing, layer_kwargs, setting_owners
 from moetrain.moe import EXPERTS, GATES
 from moetrain.ops import ExtensionUnavailable
 from moetrain.quant import FORMATS
@@ -87,12 +80,6 @@ from moetrain.train.trainer import Terminated
 
 log = logging.getLogger(__name__)
 
-CONFIG_MODULE = "moetrain.conf"
-CONFIG_NAME = "config"
-GROUPS = ("model", "gate", "parallel", "data", "optim", "trainer", "logger", "quant")
-EXIT_CONFIG_ERROR = 2
-EXIT_TRAINING_FAILED = 1
-EXIT_INTERRUPTED = 130  # the shell's code for Ctrl-C
 NAME_MAX = 255  # bytes in one file name on Linux, macOS and Windows file systems
 
 
@@ -149,179 +136,7 @@ def register_configs() -> None:
         store.store(group="recipe", name=name, node=recipe, package="_global_")
 
 
-# ---- turning errors into one line -----------------------------------------------------------------
-def _one_line(text: str) -> str:
-    return " ".join(line.strip() for line in str(text).splitlines() if line.strip())
-
-
-# The library names a setting as its Python API does: a field of a settings dataclass
-# (TrainerConfig.device='cuda') or a builder's argument (root='data'). The command line names it by
-# its config key (trainer.device=cuda, data.root=data), with the value as an override writes it.
-_GROUP_OF_SCHEMA = {hint.__name__: name for name, hint in typing.get_type_hints(Config).items()
-                    if dataclasses.is_dataclass(hint)}  # TrainerConfig -> trainer, ...
-_WORD = r"'[^']*'|\"[^\"]*\"|[^\s,;:()|'\"]+"
-_VALUE = rf"(?:{_WORD})(?:\|(?:{_WORD}))*"  # one Python value, or alternatives joined by |
-_OVERRIDE_LITERALS = {"True": "true", "False": "false", "None": "null"}
-
-
-def _override_value(python: str) -> str:
-    """'cuda' -> cuda, True -> true, None -> null, 'fsdp'|'fsdp_expert' -> fsdp|fsdp_expert."""
-    return "|".join(_OVERRIDE_LITERALS.get(word, word.strip("'\"")) for word in re.findall(_WORD, python))
-
-
-def in_config_keys(message: str, group: str | None = None, arguments=()) -> str:
-    """A library error's message in the command line's terms: each settings dataclass (alone or
-    with a field: TrainerConfig.resume='x') becomes its config group or key (trainer.resume=x);
-    with `group`, each `NAME=VALUE` of `arguments` (the keyword arguments of the group's _target_)
-    becomes group.NAME=VALUE."""
-
-    def schema_key(match: re.Match) -> str:
-        schema, field, value = match.group(1), match.group(2), match.group(3)
-        key = _GROUP_OF_SCHEMA[schema] + (f".{field}" if field else "")
-        return key + (f"={_override_value(value)}" if value is not None else "")
-
-    schemas = "|".join(_GROUP_OF_SCHEMA)
-    message = re.sub(rf"(?<![\w./])({schemas})(?:\.(\w+))?(?:=({_VALUE}))?", schema_key, message)
-    if group and arguments:
-        names = "|".join(re.escape(name) for name in arguments)
-        message = re.sub(rf"(?<![\w./])({names})=({_VALUE})",
-                         lambda match: f"{group}.{match.group(1)}={_override_value(match.group(2))}", message)
-    return _one_line(message)
-
-
-def _omegaconf_cause(error: BaseException) -> OmegaConfBaseException | None:
-    while error is not None:
-        if isinstance(error, OmegaConfBaseException):
-            return error
-        error = error.__cause__ or error.__context__
-    return None
-
-
-def _node_under(parent: str, overrides: list[str]) -> DictConfig | None:
-    """A config node as the command line's group choices make it (without its keys' overrides)."""
-    parser = OverridesParser.create()
-    group_choices = [
-        text for text, o in zip(overrides, parser.parse_overrides(overrides)) if o.key_or_group in GROUPS + ("recipe",)
-    ]
-    try:
-        node = hydra.compose(config_name=CONFIG_NAME, overrides=group_choices)
-        node = OmegaConf.select(node, parent) if parent else node
-    except Exception:  # the node only improves the message; the error itself is reported anyway
-        return None
-    return node if isinstance(node, DictConfig) else None
-
-
-def _keys_under(parent: str, overrides: list[str]) -> list[str]:
-    """The keys a config node has once the command line's group choices are applied."""
-    node = _node_under(parent, overrides)
-    return list(node.keys()) if node is not None else []
-
-
-def _explain(error: Exception, overrides: list[str]) -> str:
-    """One line for a Hydra or OmegaConf composition error."""
-    if isinstance(error, MissingConfigException) and error.options is not None:
-        group, _, option = (error.missing_cfg_file or "").rpartition("/")
-        return (
-            f"unknown {group or 'config'} option '{option}': choose {group}=" + "|".join(error.options)
-            + did_you_mean(option, error.options)
-        )
-    cause = _omegaconf_cause(error)
-    if isinstance(cause, (ConfigKeyError, ConfigAttributeError)) and cause.full_key:
-        parent, _, leaf = cause.full_key.rpartition(".")
-        if parent == "model" and leaf in FIXED_BY_CHECKPOINT:
-            model = _node_under("model", overrides)
-            if model is not None and model.get("_target_") == PRETRAINED_TARGET:
-                return _fixed_by_checkpoint(leaf)
-        keys = _keys_under(parent, overrides)
-        where = parent or "the top level"
-        message = f"unknown key '{cause.full_key}'"
-        if keys:
-            message += f": {where} has " + ", ".join(keys) + did_you_mean(leaf, keys)
-        if parent.split(".")[0] in ("model", "data"):
-            message += f"; to pass a new argument to {parent}._target_, write +{cause.full_key}=VALUE"
-        return message
-    if isinstance(cause, MissingMandatoryValue) and cause.full_key:
-        return f"{cause.full_key} has no value (???): set {cause.full_key}=VALUE"
-    if isinstance(cause, InterpolationResolutionError) and cause.full_key:
-        key, problem = cause.full_key, str(cause.msg).splitlines()[0]
-        variable = re.search(r"Environment variable '([^']*)' not found", problem)
-        if variable:
-            return (f"{key}: the environment variable {variable.group(1)} it reads (oc.env) is not set: "
-                    f"export {variable.group(1)}=VALUE, or give {key}=VALUE")
-        if "Recursive interpolation" in problem:
-            return f"{key}: its interpolation refers back to itself: give {key}=VALUE, or point it at another key"
-        return f"{key}: cannot resolve its interpolation ({_one_line(problem)}): give {key}=VALUE, or fix the ${{...}}"
-    if isinstance(cause, ValidationError) and cause.full_key:
-        # The message's first line is the problem; the rest repeats the key and the schema's name.
-        return f"bad value for {cause.full_key}: {str(cause.msg).splitlines()[0]}"
-    return _one_line(cause.msg if cause is not None else error)
-
-
 # ---- checks Hydra cannot make ---------------------------------------------------------------------
-def _matches(value, hint) -> bool:
-    """Whether `value` fits a plain annotation; anything fancier is left to the target itself."""
-    if typing.get_origin(hint) in (typing.Union, types.UnionType):
-        return any(_matches(value, arg) for arg in typing.get_args(hint))
-    if hint is type(None):
-        return value is None
-    if hint is bool:
-        return isinstance(value, bool)
-    if hint is int:
-        return isinstance(value, int) and not isinstance(value, bool)
-    if hint is float:
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
-    if hint is str:
-        return isinstance(value, str)
-    return True
-
-
-def import_object(path: str):
-    """The object a dotted path names, as Hydra's _target_ means it: from the top-level module, each
-    next name is an attribute when the object has one (a package's `synthetic` function before its
-    `synthetic` submodule), else a submodule. ImportError saying what is missing."""
-    parts = path.split(".")
-    try:
-        found = importlib.import_module(parts[0])
-    except ModuleNotFoundError:
-        raise ImportError(f"no module named {parts[0]!r}") from None
-    for depth, name in enumerate(parts[1:], start=1):
-        if hasattr(found, name):
-            found = getattr(found, name)
-            continue
-        module_name = ".".join(parts[: depth + 1])
-        try:
-            found = importlib.import_module(module_name)
-        except ModuleNotFoundError as error:
-            if error.name != module_name:
-                raise  # the module exists but needs one that is not installed
-            raise ImportError(f"{'.'.join(parts[:depth])} has no attribute {name!r}") from None
-    return found
-
-
-def check_target(group: str, node: dict) -> None:
-    """The group's _target_ imports, and takes every key of the group with a value of its type."""
-    path = node["_target_"]
-    try:
-        target = import_object(path)
-    except ImportError as error:
-        raise ConfigError(f"{group}._target_={path} cannot be imported ({_one_line(error)}): fix the dotted path")
-    parameters = inspect.signature(target).parameters
-    if any(p.kind == p.VAR_KEYWORD for p in parameters.values()):
-        return  # takes anything: the target checks its own arguments
-    accepted = [name for name, p in parameters.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
-    hints = typing.get_type_hints(target.__init__ if inspect.isclass(target) else target)
-    for key, value in node.items():
-        if key.startswith("_") and key.endswith("_"):  # Hydra's own keys (_target_, _partial_, ...)
-            continue
-        if key not in accepted:
-            raise ConfigError(
-                f"unknown key {group}.{key}: {path} takes " + ", ".join(accepted) + did_you_mean(key, accepted)
-            )
-        if key in hints and not _matches(value, hints[key]):
-            expected = getattr(hints[key], "__name__", str(hints[key]))
-            raise ConfigError(f"bad value for {group}.{key}: {value!r} is not {expected} ({path} wants {expected})")
-
-
 def _check_schema_keys(node: DictConfig, path: str = "") -> None:
     """`+trainer.foo=1` adds a key even to a typed node (Hydra opens it for the addition)."""
     schema = OmegaConf.get_type(node)
@@ -372,7 +187,7 @@ def check_command_line(overrides: list[str], multirun: bool, config_dir: str | N
     try:
         parsed = OverridesParser.create().parse_overrides(overrides)
     except HydraException as error:
-        raise ConfigError(_one_line(error)) from None
+        raise ConfigError(one_line(error)) from None
     recipes = recipe_names()
     for override in parsed:
         if override.key_or_group != "recipe":
@@ -534,6 +349,18 @@ PRETRAINED_OPEN_KEYS = ("max_seq_len", "dropout")
 FIXED_BY_CHECKPOINT = tuple(f.name for f in dataclasses.fields(LMConfig) if f.name not in PRETRAINED_OPEN_KEYS)
 
 
+def _explain(error: Exception, overrides: list[str]) -> str:
+    """explain(), with a model key that a published checkpoint fixes (model=hf) named as such."""
+    cause = omegaconf_cause(error)
+    if isinstance(cause, (ConfigKeyError, ConfigAttributeError)) and cause.full_key:
+        parent, _, leaf = cause.full_key.rpartition(".")
+        if parent == "model" and leaf in FIXED_BY_CHECKPOINT:
+            model = node_under("model", overrides)
+            if model is not None and model.get("_target_") == PRETRAINED_TARGET:
+                return _fixed_by_checkpoint(leaf)
+    return explain(error, overrides)
+
+
 def _fixed_by_checkpoint(key: str) -> str:
     routing = "; the routing changes with gate.KEY=VALUE" if key == "moe_kwargs" else ""
     return (f"model.{key} is fixed by the checkpoint (model=hf takes its architecture from model.path's config.json, "
@@ -549,7 +376,7 @@ def read_checkpoint_config(path) -> tuple[dict, LMConfig]:
     try:
         return read_pretrained_config(str(path))
     except HFCheckpointError as error:
-        raise ConfigError(f"model.path: {_one_line(error)}") from None
+        raise ConfigError(f"model.path: {one_line(error)}") from None
 
 
 def use_checkpoint_routing(composed: DictConfig, routings: dict[str, dict]) -> bool:
@@ -612,7 +439,7 @@ def prebuild_checkpoint_model(config: Config, task: str, model_inputs: dict) -> 
     try:
         return _instantiate_checkpoint_model(config, model_inputs)
     except HFCheckpointError as error:  # says what and where, and how to fix it
-        raise ConfigError(f"model.path: {_one_line(error)}") from None
+        raise ConfigError(f"model.path: {one_line(error)}") from None
     except OSError as error:
         raise ConfigError(f"model.path={path}: cannot read {error.filename or 'the checkpoint'}: "
                           f"{error.strerror or error}: fix the path or its permissions") from None
@@ -641,16 +468,10 @@ def _instantiate(group: str, node: dict, **kwargs):
         cause = error.__cause__
         if isinstance(cause, (ConfigError, ExtensionUnavailable)):
             raise cause from None
-        message = in_config_keys(str(cause or error), group, _arguments(node["_target_"]))
+        message = in_config_keys(str(cause or error), group, target_arguments(node["_target_"]))
         if isinstance(cause, SettingError):  # says which of the group's keys to change: no prefix needed
             raise ConfigError(message) from None
         raise ConfigError(f"{group} ({node['_target_']}): {message}") from None
-
-
-def _arguments(path: str) -> list[str]:
-    """The keyword arguments of the callable a _target_ names (check_target imported it already)."""
-    parameters = inspect.signature(import_object(path)).parameters
-    return [name for name, p in parameters.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
 
 
 def build(config: Config) -> tuple[DataModule, torch.nn.Module]:
@@ -677,7 +498,7 @@ def train(cfg: DictConfig, run_dir: Path, distributed: bool = False) -> dict:
     log.info("run directory %s", run_dir)
     # Imported here: FSDP's and DCP's modules take about a second to import, which every command
     # (its --help and its bad-input errors included) would otherwise wait for.
-    from moetrain.parallel.training import Distributed  # noqa: PLC0415
+    from moetrain.parallel.processes import Distributed  # noqa: PLC0415
 
     bias_update_rate = layer_kwargs(dataclasses.asdict(config.gate))["gate_kwargs"].get("bias_update_rate")
     if config.optim.lr == 0 and bias_update_rate:
@@ -700,11 +521,6 @@ def train(cfg: DictConfig, run_dir: Path, distributed: bool = False) -> dict:
     if config.mode == Mode.eval:
         return evaluate_quantized(trainer, config.quant, lambda: build_model(config, data))
     return trainer.fit()
-
-
-def _fail(message: str, code: int) -> typing.NoReturn:
-    print(f"moetrain: error: {message}", file=sys.stderr)
-    sys.exit(code)
 
 
 def _resume_command(run_dir: Path) -> str:
@@ -760,7 +576,7 @@ def _train_reporting(cfg: DictConfig, run_dir: Path, distributed: bool, report: 
     except REPORTED as error:
         message, code = _error_line(error, run_dir)
         if report:
-            _fail(message, code)
+            fail(message, code)
         sys.exit(code)
 
 
@@ -805,7 +621,7 @@ class RunDirectoryLock(Callback):
             try:
                 lock_run_directory(Path(str(config.hydra.run.dir)))
             except RunDirectoryBusy as error:
-                _fail(f"{error.run_dir} is in use by another moetrain run (pid and host: {error.holder}): wait for "
+                fail(f"{error.run_dir} is in use by another moetrain run (pid and host: {error.holder}): wait for "
                       "it to end, or give this run its own hydra.run.dir", EXIT_CONFIG_ERROR)
 
 
@@ -838,12 +654,12 @@ def _report_worker_failure(failure: WorkerFailed, run_dir: Path, timeout_s: floa
     """One line for the worker that failed first; the others have been stopped."""
     failed = failure.failed
     if isinstance(failed.error, REPORTED):
-        _fail(*_error_line(failed.error, run_dir))
+        fail(*_error_line(failed.error, run_dir))
     if failed.traceback and not failed.communication_error and not isinstance(failed.error, KeyboardInterrupt):
         sys.stderr.write(failed.traceback)  # a bug: its traceback, then the one line
     _remove_partial_checkpoints(run_dir)
     waited = f" (the others waited parallel.timeout_s={timeout_s:g} s for it)" if failed.stopped else ""
-    _fail(f"{failed.describe()}{waited}; every worker is stopped; continue from the last checkpoint with: "
+    fail(f"{failed.describe()}{waited}; every worker is stopped; continue from the last checkpoint with: "
           f"{_resume_command(run_dir)}", EXIT_TRAINING_FAILED)
 
 
@@ -851,9 +667,9 @@ def _report_sigterm(stopped: WorkersTerminated, run_dir: Path) -> typing.NoRetur
     """SIGTERM reached the launcher and, through it, every worker: rank 0 says where it stopped."""
     first = stopped.exits[0]
     if isinstance(first.error, Terminated):
-        _fail(*_error_line(first.error, run_dir))
+        fail(*_error_line(first.error, run_dir))
     _remove_partial_checkpoints(run_dir)
-    _fail(f"{stopped}; continue from the last checkpoint with: {_resume_command(run_dir)}", 128 + signal.SIGTERM)
+    fail(f"{stopped}; continue from the last checkpoint with: {_resume_command(run_dir)}", 128 + signal.SIGTERM)
 
 
 def _launch(cfg: DictConfig, run_dir: Path) -> None:
@@ -919,9 +735,9 @@ def _task(cfg: DictConfig) -> None:
         try:
             _launch(cfg, run_dir)
         except ConfigError as error:
-            _fail(str(error), EXIT_CONFIG_ERROR)
+            fail(str(error), EXIT_CONFIG_ERROR)
         except KeyboardInterrupt:
-            _fail(f"interrupted; continue from the last checkpoint with: {_resume_command(run_dir)}", EXIT_INTERRUPTED)
+            fail(f"interrupted; continue from the last checkpoint with: {_resume_command(run_dir)}", EXIT_INTERRUPTED)
     except SystemExit as exit_request:
         if exit_request.code == EXIT_CONFIG_ERROR:
             _remove_unused_run_directory(run_dir)
@@ -978,7 +794,7 @@ def command_line_parser() -> argparse.ArgumentParser:
 
 
 def _main() -> None:
-    from moetrain import commands  # here: commands imports this module
+    from moetrain import commands  # here: its modules load only for a command on a run directory
 
     # eval, generate and export of a run directory, and --version (before Hydra's parser, whose
     # --version prints Hydra's own); for --help, the commands' usage above Hydra's help.
@@ -987,13 +803,13 @@ def _main() -> None:
     register_configs()
     args = command_line_parser().parse_args()
     if args.config_path or args.config_name:
-        _fail("moetrain composes its own configs: add yours with --config-dir DIR instead of -cp/-cn", EXIT_CONFIG_ERROR)
+        fail("moetrain composes its own configs: add yours with --config-dir DIR instead of -cp/-cn", EXIT_CONFIG_ERROR)
     if not (args.help or args.hydra_help or args.shell_completion or args.info):
         try:
             # --cfg only prints the config: no data set is built (nor downloaded) for it.
             composed = check_command_line(args.overrides, args.multirun, args.config_dir, build_data=not args.cfg)
         except ConfigError as error:
-            _fail(str(error), EXIT_CONFIG_ERROR)
+            fail(str(error), EXIT_CONFIG_ERROR)
         single_run = composed is not None and composed.hydra.mode != RunMode.MULTIRUN
         if single_run and not (args.cfg or args.experimental_rerun):
             run_composed(composed)  # one run: composed once, checked, run as it is

@@ -14,8 +14,9 @@ moetrain.evaluate, moetrain.generate, moetrain.export); every mistake in its inp
 ends like a training command's: one line `moetrain: error: ...` and exit code 2.
 
 This module is command-line code beside cli.py: it reads eval's overrides with Hydra's override
-grammar and checks them with cli's checks and the config schema, so `data.batch_size=abc` or
-`quant=mxfp5` are refused with the same lines as in a training command.
+grammar and checks them with the checks that both share (moetrain.command_errors) and the config
+schema, so `data.batch_size=abc` or `quant=mxfp5` are refused with the same lines as in a training
+command.
 """
 
 from __future__ import annotations
@@ -39,7 +40,11 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 import moetrain
-from moetrain import cli, ops
+from moetrain import ops
+from moetrain.command_errors import (
+    CONFIG_MODULE, EXIT_CONFIG_ERROR, EXIT_INTERRUPTED, check_target, explain, fail, in_config_keys, one_line,
+    target_arguments,
+)
 from moetrain.config import ConfigError, Device, QuantConfig, SettingError, did_you_mean
 from moetrain.evaluate import evaluate_run
 from moetrain.export import ARCHITECTURES, EXPORTABLE, ExportError, export_hf
@@ -80,7 +85,7 @@ class _Parser(argparse.ArgumentParser):
     def error(self, message: str):
         # parse_intermixed_args names the optional overrides as required too when RUN_DIR is missing.
         message = message.replace(", KEY=VALUE", "")
-        cli._fail(f"{self.prog}: {message} (see {self.prog} --help)", cli.EXIT_CONFIG_ERROR)
+        fail(f"{self.prog}: {message} (see {self.prog} --help)", EXIT_CONFIG_ERROR)
 
 
 def _step(text: str) -> int:
@@ -177,7 +182,7 @@ def _parsers() -> dict[str, argparse.ArgumentParser]:
 # ---- eval's overrides --------------------------------------------------------------------------------
 def _options(group: str) -> list[str]:
     """The options of a config group: conf/GROUP/*.yaml."""
-    folder = resources.files(cli.CONFIG_MODULE) / group
+    folder = resources.files(CONFIG_MODULE) / group
     return sorted(entry.name[: -len(".yaml")] for entry in folder.iterdir() if entry.name.endswith(".yaml"))
 
 
@@ -186,7 +191,7 @@ def _group_option(group: str, name) -> DictConfig:
     if name not in options:
         raise ConfigError(f"unknown {group} option '{name}': choose {group}=" + "|".join(options)
                           + did_you_mean(name, options))
-    return OmegaConf.load(resources.files(cli.CONFIG_MODULE) / group / f"{name}.yaml")
+    return OmegaConf.load(resources.files(CONFIG_MODULE) / group / f"{name}.yaml")
 
 
 def _apply(root: DictConfig, override) -> None:
@@ -234,7 +239,7 @@ def eval_config(run: Run, overrides: list[str]) -> tuple[dict, QuantConfig]:
         try:
             parsed += parser.parse_overrides([text])
         except HydraException as error:
-            raise ConfigError(f"'{text}': {cli._one_line(error)}") from None
+            raise ConfigError(f"'{text}': {one_line(error)}") from None
     parsed.sort(key=lambda override: "." in override.key_or_group)
     # The run's seed too: a data option may read ${seed} (the held-out split of data=folder).
     root = OmegaConf.create({"seed": run.config.get("seed", 0), "data": run.config["data"]})
@@ -245,10 +250,10 @@ def eval_config(run: Run, overrides: list[str]) -> tuple[dict, QuantConfig]:
         data = OmegaConf.to_container(root.data, resolve=True)
         quant: QuantConfig = OmegaConf.to_object(root.quant)
     except OmegaConfBaseException as error:  # a value of the wrong type, an interpolation that does not resolve
-        raise ConfigError(cli._explain(error, overrides)) from None
+        raise ConfigError(explain(error, overrides)) from None
     if not isinstance(data.get("_target_"), str):
         raise ConfigError("data has no _target_: choose a data option (data=NAME) or set data._target_")
-    cli.check_target("data", data)
+    check_target("data", data)
     return data, quant
 
 
@@ -318,7 +323,7 @@ def run_generate(args) -> None:
             sys.stdout.flush()
     except KeyboardInterrupt:
         _end_text(seed if drawn else None)
-        sys.exit(cli.EXIT_INTERRUPTED)
+        sys.exit(EXIT_INTERRUPTED)
     _end_text(seed if drawn else None)
 
 
@@ -421,7 +426,7 @@ def _ran(device: torch.device) -> str:
     try:
         problem = kernel_check(device)
     except Exception as error:  # noqa: BLE001 - the report is the point: say how it failed, in one line
-        return f"fails here ({type(error).__name__}: {cli._one_line(error)[:300]})"
+        return f"fails here ({type(error).__name__}: {one_line(error)[:300]})"
     return "ran here and matches the pure-torch reference" if problem is None else f"WRONG here: {problem}"
 
 
@@ -430,7 +435,7 @@ def version_report() -> str:
     try:
         extension = ops.load()
     except ExtensionUnavailable as error:
-        lines.append(f"kernels: unavailable: {cli._one_line(error)}")
+        lines.append(f"kernels: unavailable: {one_line(error)}")
         lines.append("  without them a run needs gate.impl=torch (the pure-torch path)")
         return "\n".join(lines)
     lines.append(f"kernels: {extension.__file__}")
@@ -479,9 +484,9 @@ def main(argv: list[str]) -> None:
     except BrokenPipeError:
         raise  # `moetrain generate ... | head`: cli.main ends quietly, as for --help
     except REPORTED as error:
-        cli._fail(_error_line(error), cli.EXIT_CONFIG_ERROR)
+        fail(_error_line(error), EXIT_CONFIG_ERROR)
     except KeyboardInterrupt:
-        cli._fail("interrupted", cli.EXIT_INTERRUPTED)
+        fail("interrupted", EXIT_INTERRUPTED)
 
 
 def _error_line(error: BaseException) -> str:
@@ -489,5 +494,5 @@ def _error_line(error: BaseException) -> str:
         where = f" {error.filename}" if error.filename else ""
         return f"cannot use{where}: {error.strerror or error}: fix the path or its permissions"
     if isinstance(error, RunError) and error.data_target:  # the data builder's arguments are data.KEY
-        return cli.in_config_keys(str(error), "data", cli._arguments(error.data_target))
-    return cli.in_config_keys(str(error))
+        return in_config_keys(str(error), "data", target_arguments(error.data_target))
+    return in_config_keys(str(error))

@@ -56,7 +56,7 @@ class Precision(Enum):
     auto = "auto"  # bf16 autocast on CUDA, fp32 on CPU
     bf16 = "bf16"
     fp32 = "fp32"
-    fp8 = "fp8"  # bf16 autocast and every expert GEMM in FP8 (moetrain.quant.training); CPU: fp32, FP8 emulated
+    fp8 = "fp8"  # bf16 autocast and every expert GEMM in FP8 (moetrain.precision.fp8_matmul); CPU: fp32, FP8 emulated
     fp8_block = "fp8_block"  # as fp8, with DeepSeek-V3's 1x128 / 128x128 block scales instead of row-wise ones
 
 
@@ -96,11 +96,11 @@ class OptimizerName(Enum):
 class GateConfig:
     """How tokens are routed to experts. The model option fills it with the model's own routing
     (its preset's); a gate option (gate=NAME) or key (gate.KEY=VALUE) changes only what it names.
-    Every MoE layer of the model gets these settings (moetrain/models/routing.py)."""
+    Every MoE layer of the model gets these settings (moetrain/models/routing_settings.py)."""
 
     type: str = "top"  # a registered gate (moetrain.moe.GATES): top, cosine, sigmoid
     top_k: int = 2
-    capacity_factor: float = 1.0  # expert capacity = top_k * int(factor * ceil(tokens / experts)); 0 = dropless
+    capacity_factor: float = 1.0  # > 0 padded, 0 dropless, < 0 dropless capped: moetrain/moe/routing.py says how
     balance_loss_weight: float = 0.01  # weight of the load-balancing loss added to the training loss
     balance_loss: BalanceLoss = BalanceLoss.micro_batch  # over which tokens the loss counts f_e
     z_loss_weight: float = 0.0  # weight of the router z-loss (ST-MoE)
@@ -269,7 +269,6 @@ def validate(cfg: Config, quant_formats: Sequence[str], num_experts: int | None 
     elif num_experts is not None:
         experts_key = f"the {num_experts} experts of model.path={cfg.model.get('path')}"
         _require(gate.top_k <= num_experts, f"gate.top_k={gate.top_k} exceeds {experts_key}: lower gate.top_k")
-    _require(gate.capacity_factor >= 0, f"gate.capacity_factor must be >= 0 (0 = dropless), got {gate.capacity_factor}")
     parallel = cfg.parallel
     _require(parallel.nproc_per_node >= 1, f"parallel.nproc_per_node must be >= 1, got {parallel.nproc_per_node}")
     _require(parallel.adaptive_r >= 0, f"parallel.adaptive_r must be >= 0 (0 data parallel, 1 expert parallel), got {parallel.adaptive_r}")

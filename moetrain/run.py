@@ -14,7 +14,7 @@ Where everything comes from:
   model's input and output sizes (vocabulary, sequence length, image size, classes) unless the
   model config sets them, as the command does;
 - the model is built from `model._target_` with every MoE layer getting the run's saved routing
-  (the gate node, moetrain.models.routing.layer_kwargs), then the weights are loaded;
+  (the gate node, moetrain.models.routing_settings.layer_kwargs), then the weights are loaded;
 - the checkpoint is read by moetrain.train.checkpoint (one-process runs: step_N.pt checked against
   its .sha256) or moetrain.parallel.checkpoint (multi-process runs: step_N/ with one file per rank
   checked against SHA256SUMS, gathered into one model with every expert).
@@ -42,7 +42,7 @@ from torch import nn
 
 from moetrain.data.base import DataModule
 from moetrain.data.text import SUFFIXES, ByteTokenizer
-from moetrain.models.routing import layer_kwargs
+from moetrain.models.routing_settings import layer_kwargs
 from moetrain.train import checkpoint
 
 log = logging.getLogger(__name__)

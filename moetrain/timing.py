@@ -1,5 +1,5 @@
-"""The one step timer every benchmark uses (moetrain.bench, moetrain.parallel.bench,
-moetrain.quant.bench, moetrain.models.throughput, benchmarks/).
+"""The one step timer every benchmark uses (benchmarks/, moetrain.models.throughput), and the peak
+FLOP/s the trainer divides by for its MFU.
 
     ms = median_ms(lambda: layer(x).sum().backward(), device, warmup=5, steps=20)
 

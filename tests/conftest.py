@@ -179,13 +179,13 @@ def compose():
     """compose(overrides) -> the composed DictConfig, as `moetrain` would build it (no run dir)."""
     import hydra
 
-    from moetrain import cli
+    from moetrain import cli, command_errors
 
     cli.register_configs()
 
     def _compose(overrides: list[str]):
-        with hydra.initialize_config_module(config_module=cli.CONFIG_MODULE, version_base="1.3"):
-            return hydra.compose(config_name=cli.CONFIG_NAME, overrides=overrides)
+        with hydra.initialize_config_module(config_module=command_errors.CONFIG_MODULE, version_base="1.3"):
+            return hydra.compose(config_name=command_errors.CONFIG_NAME, overrides=overrides)
 
     return _compose
 

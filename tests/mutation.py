@@ -43,12 +43,12 @@ class Mutant:
     why: str
 
 
-LAYER_TESTS = ("tests/test_moe_layer.py",)
-LOSS_TESTS = ("tests/test_losses.py",)
-STEP_TESTS = ("tests/test_train_step_reference.py",)
-TRAIN_TESTS = ("tests/test_train.py",)
-QUANT_TESTS = ("tests/test_quant_layer.py",)
-PRETRAINED_TESTS = ("tests/test_pretrained.py",)
+LAYER_TESTS = ("tests/moe/test_moe_layer.py",)
+LOSS_TESTS = ("tests/moe/test_losses.py",)
+STEP_TESTS = ("tests/train/test_train_step_reference.py",)
+TRAIN_TESTS = ("tests/train/test_train.py",)
+QUANT_TESTS = ("tests/quant/test_quant_layer.py",)
+PRETRAINED_TESTS = ("tests/models/test_pretrained.py",)
 
 MUTANTS = [
     # ---- gates (the issue's: normalize ignored, jitter in eval, cosine directions, scaling factor)
@@ -66,20 +66,20 @@ MUTANTS = [
            LAYER_TESTS, "the sigmoid gate drops routed_scaling_factor"),
     Mutant("sigmoid_bias_weighs", "moetrain/moe/sigmoid_gate.py",
            "weight_TK = scores_TE.gather(1, idx_TK)", "weight_TK = choice_TE.gather(1, idx_TK)",
-           ("tests/test_gate_references.py",), "the selection bias leaks into the combine weights"),
+           ("tests/moe/test_gate_references.py",), "the selection bias leaks into the combine weights"),
     Mutant("sigmoid_group_score_top1", "moetrain/moe/sigmoid_gate.py",
            "topk(min(2, grouped_TGX.size(-1)), dim=-1)", "topk(min(1, grouped_TGX.size(-1)), dim=-1)",
-           ("tests/test_gate_references.py",), "groups scored by their best expert instead of their two best"),
+           ("tests/moe/test_gate_references.py",), "groups scored by their best expert instead of their two best"),
     Mutant("sigmoid_bias_update_sign", "moetrain/moe/sigmoid_gate.py",
            "torch.sign(self.pending_load.mean() - self.pending_load)",
            "torch.sign(self.pending_load - self.pending_load.mean())",
            LAYER_TESTS, "the load-balancing bias moves toward imbalance"),
     Mutant("cosine_scale_cap", "moetrain/moe/cosine_gate.py", "_MAX_SCALE = 100.0", "_MAX_SCALE = 1000.0",
-           ("tests/test_gate_references.py",), "the cosine gate's inverse temperature capped at 1000, not 100"),
+           ("tests/moe/test_gate_references.py",), "the cosine gate's inverse temperature capped at 1000, not 100"),
     Mutant("softmax_renormalises_by_max", "moetrain/moe/gates.py",
            "weight_TK = weight_TK / weight_TK.sum(-1, keepdim=True)",
            "weight_TK = weight_TK / weight_TK.amax(-1, keepdim=True)",
-           ("tests/test_gate_references.py",), "renormalisation divides by the largest weight"),
+           ("tests/moe/test_gate_references.py",), "renormalisation divides by the largest weight"),
     # ---- routing and combine
     Mutant("capacity_one_row_more", "moetrain/moe/routing.py",
            "return top_k * max(per_choice, 1)", "return top_k * max(per_choice, 1) + 1",
@@ -128,7 +128,7 @@ MUTANTS = [
            "return cfg.lr * (step + 1) / (warmup_steps + 1)", "return cfg.lr * (step + 1) / warmup_steps",
            STEP_TESTS, "warm-up starts at lr / warmup_steps"),
     Mutant("betas_swapped", "moetrain/train/optim.py",
-           "betas=tuple(cfg.betas)", "betas=tuple(reversed(cfg.betas))",
+           "betas = tuple(cfg.betas)", "betas = tuple(reversed(cfg.betas))",
            STEP_TESTS, "AdamW gets its betas in the wrong order"),
     # ---- trainer (the issue's: accumulation not averaged, eval accuracy inverted)
     Mutant("accumulation_not_averaged", "moetrain/train/trainer.py",
@@ -149,7 +149,7 @@ MUTANTS = [
            STEP_TESTS, "training goes on in eval mode after an evaluation"),
     Mutant("nonfinite_never_stops", "moetrain/train/trainer.py",
            "elif self.cfg.on_nonfinite == NonFinite.stop:", "elif False:",
-           ("tests/test_exit_codes.py",), "a NaN loss is skipped even when the run should stop"),
+           ("tests/cli/test_exit_codes.py",), "a NaN loss is skipped even when the run should stop"),
     # ---- checkpoints
     Mutant("rng_not_restored", "moetrain/train/checkpoint.py",
            '    torch.set_rng_state(state["torch"])\n', "",
@@ -163,64 +163,64 @@ MUTANTS = [
     # ---- data
     Mutant("stream_resumes_at_wrong_sample", "moetrain/train/stream.py",
            "sampler=order[self.position * self.batch_size :].tolist()", "sampler=order[self.position :].tolist()",
-           ("tests/test_data.py",), "a resumed data stream restarts at the wrong sample"),
+           ("tests/data/test_data.py",), "a resumed data stream restarts at the wrong sample"),
     Mutant("lm_targets_not_shifted", "moetrain/data/text.py",
            "return window[:-1], window[1:]", "return window[:-1], window[:-1]",
-           ("tests/test_lm_data.py",), "language-model targets are the inputs, not the next tokens"),
+           ("tests/data/test_lm_data.py",), "language-model targets are the inputs, not the next tokens"),
     # ---- models
     Mutant("vision_no_position_embedding", "moetrain/models/vision.py",
            "x_BPD = self.dropout(x_BPD + self.pos_embed)", "x_BPD = self.dropout(x_BPD)",
-           ("tests/test_models_vision.py",), "the ViT forgets its position embedding"),
+           ("tests/models/test_models_vision.py",), "the ViT forgets its position embedding"),
     Mutant("vision_mean_pool_skips_a_patch", "moetrain/models/vision.py",
            'pooled_BD = x_BPD[:, 0] if self.pool == "cls" else x_BPD.mean(dim=1)',
            'pooled_BD = x_BPD[:, 0] if self.pool == "cls" else x_BPD[:, 1:].mean(dim=1)',
-           ("tests/test_models_vision.py",), "mean pooling drops the first patch"),
+           ("tests/models/test_models_vision.py",), "mean pooling drops the first patch"),
     # ---- CLI (the issue's: exit code of a failed run)
-    Mutant("exit_code_training_failed", "moetrain/cli.py", "EXIT_TRAINING_FAILED = 1", "EXIT_TRAINING_FAILED = 3",
-           ("tests/test_exit_codes.py",), "a failed training run exits 3"),
-    Mutant("exit_code_interrupted", "moetrain/cli.py", "EXIT_INTERRUPTED = 130", "EXIT_INTERRUPTED = 1",
-           ("tests/test_exit_codes.py",), "Ctrl-C exits 1"),
-    Mutant("exit_code_config_error", "moetrain/cli.py", "EXIT_CONFIG_ERROR = 2", "EXIT_CONFIG_ERROR = 1",
-           ("tests/test_exit_codes.py",), "a configuration mistake exits 1"),
+    Mutant("exit_code_training_failed", "moetrain/command_errors.py", "EXIT_TRAINING_FAILED = 1", "EXIT_TRAINING_FAILED = 3",
+           ("tests/cli/test_exit_codes.py",), "a failed training run exits 3"),
+    Mutant("exit_code_interrupted", "moetrain/command_errors.py", "EXIT_INTERRUPTED = 130", "EXIT_INTERRUPTED = 1",
+           ("tests/cli/test_exit_codes.py",), "Ctrl-C exits 1"),
+    Mutant("exit_code_config_error", "moetrain/command_errors.py", "EXIT_CONFIG_ERROR = 2", "EXIT_CONFIG_ERROR = 1",
+           ("tests/cli/test_exit_codes.py",), "a configuration mistake exits 1"),
     # ---- quantization (the issue's: an MXFP4 scale one binade off)
-    Mutant("mxfp4_scale_binade_up", "moetrain/quant/formats.py",
+    Mutant("mxfp4_scale_binade_up", "moetrain/precision/formats.py",
            "exponent - 1 - E2M1_EMAX", "exponent - E2M1_EMAX",
            QUANT_TESTS, "the MXFP4 shared scale one binade too large"),
-    Mutant("mxfp4_dequantize_binade", "moetrain/quant/formats.py",
+    Mutant("mxfp4_dequantize_binade", "moetrain/precision/formats.py",
            'return (value_NBS * e8m0_decode(q["scale"]).unsqueeze(-1)).flatten(-2)[..., :k]',
            'return (value_NBS * 2 * e8m0_decode(q["scale"]).unsqueeze(-1)).flatten(-2)[..., :k]',
            QUANT_TESTS, "MXFP4 decodes with twice its scale"),
-    Mutant("nvfp4_tensor_scale", "moetrain/quant/formats.py",
+    Mutant("nvfp4_tensor_scale", "moetrain/precision/formats.py",
            "amax / (E4M3_MAX * E2M1_MAX)", "amax / E4M3_MAX",
            QUANT_TESTS, "the NVFP4 tensor scale ignores E2M1's range"),
-    Mutant("fp8_block_scale", "moetrain/quant/formats.py",
+    Mutant("fp8_block_scale", "moetrain/precision/formats.py",
            "w_NbSKbS / scale_NbKb[..., :, None, :, None]", "w_NbSKbS / scale_NbKb[..., :, None, :, None] / 2",
            QUANT_TESTS, "FP8 128x128 blocks stored at half their scale (saturating)"),
-    Mutant("fp8_token_rows_from_the_wrong_token", "moetrain/quant/training.py",
+    Mutant("fp8_token_rows_from_the_wrong_token", "moetrain/precision/fp8_matmul.py",
            "torch.arange(tokens * top_k, device=dest_TK.device) // top_k",
            "torch.arange(tokens * top_k, device=dest_TK.device) % tokens",
-           ("tests/test_fp8_training.py",), "FP8 training gathers each expert row from the wrong token"),
-    Mutant("fp8_token_padding_not_zero", "moetrain/quant/training.py",
+           ("tests/precision/test_fp8_training.py",), "FP8 training gathers each expert row from the wrong token"),
+    Mutant("fp8_token_padding_not_zero", "moetrain/precision/fp8_matmul.py",
            "return _gather_rows(xq_TK, source_R, 0.0),", "return _gather_rows(xq_TK, source_R, 56.0),",
-           ("tests/test_fp8_training.py",),
+           ("tests/precision/test_fp8_training.py",),
            "FP8 rows no token fills hold 1.0 (byte 56), not zero: their outputs are never read, but with "
            "fp8_wgrad='fp8' the next GEMM's per-expert column scales see them"),
-    Mutant("fp8_exchange_weight_gradient_from_undequantized_rows", "moetrain/quant/training.py",
+    Mutant("fp8_exchange_weight_gradient_from_undequantized_rows", "moetrain/precision/fp8_matmul.py",
            "x_RK = dequantize_rows_of(ctx.precision, xq_RK, x_scale_R).to(ctx.dtype)",
            "x_RK = xq_RK.float().to(ctx.dtype)",
-           ("tests/test_fp8_exchange.py",), "the expert's rank takes the weight gradient from E4M3 values without "
+           ("tests/precision/test_fp8_exchange.py",), "the expert's rank takes the weight gradient from E4M3 values without "
            "their scales"),
-    Mutant("fp8_wgrad_setting_swapped", "moetrain/quant/training.py",
+    Mutant("fp8_wgrad_setting_swapped", "moetrain/precision/fp8_matmul.py",
            '    if wgrad == "bf16":\n        return bf16_weight_grad(',
            '    if wgrad != "bf16":\n        return bf16_weight_grad(',
-           ("tests/test_fp8_training.py",), "fp8_wgrad='bf16' takes the weight gradient in FP8, and 'fp8' in bf16"),
+           ("tests/precision/test_fp8_training.py",), "fp8_wgrad='bf16' takes the weight gradient in FP8, and 'fp8' in bf16"),
     Mutant("trainer_drops_fp8_wgrad", "moetrain/train/trainer.py",
            "layer.fp8_wgrad = (trainer.fp8_wgrad or FP8Wgrad.bf16).value", 'layer.fp8_wgrad = "bf16"',
-           ("tests/test_fp8_training.py",), "trainer.fp8_wgrad=fp8 is ignored: the weight gradient stays bf16"),
+           ("tests/precision/test_fp8_training.py",), "trainer.fp8_wgrad=fp8 is ignored: the weight gradient stays bf16"),
     Mutant("fp8_exchange_gradient_returns_unordered", "moetrain/parallel/expert.py",
            "return collectives.all_to_all_single(rows.index_select(0, self.back), self.send_rows, self.recv_rows,",
            "return collectives.all_to_all_single(rows, self.send_rows, self.recv_rows,",
-           ("tests/test_fp8_exchange.py",), "results and input gradients go back in expert-major order, not in the "
+           ("tests/precision/test_fp8_exchange.py",), "results and input gradients go back in expert-major order, not in the "
            "order their rows came"),
     # ---- training from a published checkpoint (model=hf) and writing it back
     Mutant("export_keeps_float32_master_weights", "moetrain/models/hf.py",

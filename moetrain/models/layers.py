@@ -263,14 +263,12 @@ class LatentAttention(nn.Module):
         return o_BNTHd.transpose(1, 2).reshape(B, T, -1)
 
 
-class TransformerBlock(nn.Module):
+class TransformerBlock(recompute.CheckpointedBlock):
     """Pre-norm residual block: x + attention(norm(x)), then x + ffn(norm(x)).
 
     activation_checkpointing (moetrain.moe.recompute): "full" recomputes the whole block in
     backward, "selective" its attention but the output projection (the MoE layer recomputes its
     experts' hidden activations itself)."""
-
-    activation_checkpointing = "none"
 
     def __init__(self, dim: int, attention: nn.Module, ffn: nn.Module, norm: str = "rmsnorm", norm_eps: float = 1e-6, dropout: float = 0.0):
         super().__init__()

@@ -25,8 +25,8 @@ from moetrain.timing import median_ms, peak_bf16_flops, profile_table
 from moetrain.models.anatomy import anatomy_table, step_anatomy
 from moetrain.models.lm import MoETransformerLM, flops_per_token, parameter_counts
 from moetrain.models.presets import PRESETS, build_lm
-from moetrain.moe import moe_layers, recompute, update_router_biases
-from moetrain.moe.experts import FP8_WGRADS, PRECISIONS
+from moetrain.moe import moe_layers, recompute, set_activation_checkpointing, update_router_biases
+from moetrain.precision.recipes import FP8_WGRADS, PRECISIONS
 
 def model_flops_utilization(tokens_per_second: float, model: MoETransformerLM, seq_len: int, device) -> float | None:
     peak = peak_bf16_flops(device)
@@ -144,7 +144,7 @@ def main(argv=None) -> dict:
         layer.precision = args.precision
         layer.fp8_wgrad = args.fp8_wgrad
     model.reset_rotary()
-    recompute.set_activation_checkpointing(model, args.activation_checkpointing)
+    set_activation_checkpointing(model, args.activation_checkpointing)
     if args.compile:
         for block in model.blocks:
             block.compile()

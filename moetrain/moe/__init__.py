@@ -7,7 +7,7 @@ from torch import nn
 
 from moetrain.moe.experts import EXPERTS, DenseFeedForward, Experts, FFNExperts, SwiGLUExperts, is_expert_param
 from moetrain.moe.gates import GATES, Gate, GateOutput, register_gate
-from moetrain.moe.layer import MoELayer, RoutingStats
+from moetrain.moe.layer import MoELayer, RoutingStats, moe_layers, set_activation_checkpointing
 from moetrain.moe.routing import RoutingPlan, make_plan
 from moetrain.moe.cosine_gate import CosineGate
 from moetrain.moe.sigmoid_gate import SigmoidGate
@@ -16,12 +16,8 @@ from moetrain.moe.top_gate import TopKGate
 __all__ = [
     "EXPERTS", "GATES", "CosineGate", "DenseFeedForward", "Experts", "FFNExperts", "Gate", "GateOutput", "MoELayer", "RoutingPlan",
     "RoutingStats", "SigmoidGate", "SwiGLUExperts", "TopKGate", "is_expert_param", "make_plan",
-    "moe_layers", "register_gate", "set_parameter_dtype", "update_router_biases",
+    "moe_layers", "register_gate", "set_activation_checkpointing", "set_parameter_dtype", "update_router_biases",
 ]
-
-
-def moe_layers(model: nn.Module) -> list[MoELayer]:
-    return [module for module in model.modules() if isinstance(module, MoELayer)]
 
 
 def set_parameter_dtype(model: nn.Module, dtype: torch.dtype) -> None:

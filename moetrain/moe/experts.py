@@ -25,21 +25,6 @@ from moetrain import ops
 from moetrain.ops import packed_bias, swiglu
 from moetrain.ops.grouped import add_expert_bias, expert_matmul, expert_of_rows, padded_matmul, padded_uses_bmm
 
-PRECISIONS = ("bf16", "fp8", "fp8_block")  # how the expert GEMMs multiply (Experts.precision)
-FP8_WGRADS = ("bf16", "fp8")  # the weight gradient's GEMM in FP8 precision (Experts.fp8_wgrad)
-
-
-def check_precision(precision) -> str:
-    if precision not in PRECISIONS:
-        raise ValueError(f"precision must be one of {list(PRECISIONS)}, got {precision!r}")
-    return precision
-
-
-def check_fp8_wgrad(fp8_wgrad) -> str:
-    if fp8_wgrad not in FP8_WGRADS:
-        raise ValueError(f"fp8_wgrad must be one of {list(FP8_WGRADS)}, got {fp8_wgrad!r}")
-    return fp8_wgrad
-
 
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {"relu": F.relu, "gelu": F.gelu, "silu": F.silu}
 
@@ -70,7 +55,7 @@ class TokenRows:
     """The expert-major rows as copies of tokens, not yet gathered: row r is token t's where
     dest_TK[t, k] == r, and zero where no token's, as moetrain.ops.dispatch would make them. In FP8
     precision MoELayer hands it to the built-in experts, whose first GEMM (Experts.matmul) then
-    quantizes each token once and gathers its FP8 rows (moetrain.quant.training.fp8_token_matmul);
+    quantizes each token once and gathers its FP8 rows (moetrain.precision.fp8_matmul.fp8_token_matmul);
     in bf16 it is gathered first. Under expert parallelism the rows live on other ranks
     (moetrain.parallel.expert.ExchangedTokenRows: the FP8 rows travel)."""
 
@@ -87,8 +72,8 @@ class TokenRows:
                    wgrad: str) -> torch.Tensor:
         """Experts.matmul in FP8 `precision` (weight gradient in `wgrad`) on these rows, each token
         quantized once."""
-        # Imported here: moetrain.quant's package imports this module.
-        from moetrain.quant.training import fp8_token_matmul  # noqa: PLC0415
+        # Imported here: the FP8 GEMMs load Triton, which a bf16 layer never needs.
+        from moetrain.precision.fp8_matmul import fp8_token_matmul  # noqa: PLC0415
 
         return fp8_token_matmul(self.x_TD, self.dest_TK, self.num_rows, w_EIO, counts_E, capacity, precision,
                                 self.impl, wgrad)
@@ -102,7 +87,7 @@ class Experts(nn.Module):
     precision ("bf16", "fp8" or "fp8_block", set by MoELayer to its own) is how the expert GEMMs
     multiply: "bf16" in the operands' dtype, "fp8" the forward and input-gradient GEMMs in FP8 with
     row-wise scales, "fp8_block" the same with DeepSeek-V3's 1x128 / 128x128 block scales
-    (moetrain.quant.training); fp8_wgrad ("bf16" or "fp8", also set by MoELayer) is the weight
+    (moetrain.precision.fp8_matmul); fp8_wgrad ("bf16" or "fp8", also set by MoELayer) is the weight
     gradient's GEMM under either FP8 recipe. Custom experts call self.matmul to follow both."""
 
     impl: str = "torch"
@@ -140,8 +125,8 @@ class Experts(nn.Module):
         if self.precision != "bf16":
             if isinstance(x_RI, TokenRows):
                 return x_RI.fp8_matmul(w_EIO, counts_E, capacity, self.precision, self.fp8_wgrad)
-            # Imported here: moetrain.quant's package imports this module.
-            from moetrain.quant.training import fp8_expert_matmul  # noqa: PLC0415
+            # Imported here: the FP8 GEMMs load Triton, which a bf16 layer never needs.
+            from moetrain.precision.fp8_matmul import fp8_expert_matmul  # noqa: PLC0415
 
             return fp8_expert_matmul(x_RI, w_EIO, counts_E, capacity, self.precision, self.fp8_wgrad)
         if isinstance(x_RI, TokenRows):

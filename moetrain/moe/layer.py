@@ -25,12 +25,10 @@ import torch.distributed as dist
 
 from moetrain import ops
 from moetrain.moe import losses, recompute
-from moetrain.moe.experts import (
-    DenseFeedForward, FFNExperts, SwiGLUExperts, TokenRows, activation_fn, build_experts, check_fp8_wgrad,
-    check_precision,
-)
+from moetrain.moe.experts import DenseFeedForward, FFNExperts, SwiGLUExperts, TokenRows, activation_fn, build_experts
 from moetrain.moe.gates import Gate, build_gate
 from moetrain.moe.routing import RoutingPlan, make_plan
+from moetrain.precision.recipes import check_fp8_wgrad, check_precision
 
 # Where the balance loss counts its tokens per expert (moetrain/moe/losses.py).
 BALANCE_LOSSES = ("micro_batch", "global_batch", "sequence")
@@ -87,6 +85,71 @@ def _own_class(module: nn.Module) -> type:
 
 
 class MoELayer(nn.Module):
+    """A Mixture-of-Experts feed-forward layer: each token goes to top_k of num_experts experts, and
+    its output is their outputs weighted by the gate (plus the shared experts' output, if any).
+
+        layer = MoELayer(model_dim=512, num_experts=8, hidden_size=1024, top_k=2)
+        y_BTD = layer(x_BTD)                              # any [..., model_dim] -> the same shape
+        loss = task_loss + layer.aux_loss                 # the last call's weighted auxiliary losses
+        layer.stats.dropped_fraction                      # and its routing statistics
+
+    One forward call, T tokens (x flattened to [T, model_dim]), E experts, k = top_k:
+      1. the gate scores the tokens in fp32 and picks k experts per token, with their weights;
+      2. the routing plan gives every choice a row of the expert-major buffer (moetrain/moe/routing.py),
+         dropping the choices over an expert's capacity;
+      3. dispatch copies the tokens into those rows, each expert runs on its own rows (batched or
+         grouped GEMMs; under expert parallelism on the ranks holding it);
+      4. combine sums each token's expert outputs weighted by the gate; a dropped choice adds nothing.
+
+    Arguments:
+      model_dim, hidden_size  D, the token width, and H, each expert's hidden width.
+      num_experts, top_k      E routed experts, k of them per token (1 <= k <= E).
+      gate                    "top" (softmax top-k), "cosine", "sigmoid" (DeepSeek-V3's, with group-limited
+                              routing and the aux-loss-free bias), a Gate subclass or instance;
+                              gate_kwargs are its own settings (moetrain.moe.GATES, docs/extending.md).
+      capacity_factor         cf, the expert capacity (Tutel's semantics, moetrain/moe/routing.py):
+                                cf > 0   at most C = k * int(cf * ceil(T / E)) rows an expert, the
+                                         layout padded to E blocks of C rows; choices past C are dropped;
+                                cf = 0   dropless: every choice kept, rows packed back to back;
+                                cf < 0   dropless layout, capped at k * int(|cf| * ceil(T / E)) rows.
+                              Which choices keep a slot when an expert overflows: first choices
+                              before second ones, in token order, or with batch_prioritized=True the
+                              most confident tokens first (V-MoE).
+      expert, activation      "ffn" (two matrices with biases, activation between: relu, gelu or
+                              silu) or "swiglu" (three bias-free matrices, silu), an Experts subclass
+                              or an instance (docs/extending.md).
+      num_shared_experts      dense experts every token passes through (DeepSeekMoE), each
+                              shared_hidden_size wide (default hidden_size), added to the output.
+      balance_loss_weight, balance_loss
+                              the load-balancing loss (Switch's f_e * P_e, summed over experts and
+                              scaled by E) and over which tokens f_e counts: "micro_batch" (this
+                              call), "global_batch" (summed over the ranks) or "sequence" (each
+                              sequence alone; x then [..., sequence, model_dim]).
+      z_loss_weight           the router z-loss (ST-MoE) added to aux_loss; 0 leaves it out.
+      impl                    "kernel" (moetrain's compiled dispatch, combine and routing kernels)
+                              or "torch" (their pure-torch references): the same function.
+      precision, fp8_wgrad    how the experts' GEMMs multiply: "bf16", "fp8" or "fp8_block" (see the
+                              properties below); settable between calls.
+
+    forward(x, top_k=None, capacity_factor=None, adaptive_r=None, a2a_ffn_overlap_degree=None): x of
+    shape [..., model_dim] in any float dtype (autocast applies to the experts, not the router);
+    returns the same shape. top_k and capacity_factor override the layer's for this call; under
+    expert parallelism (moetrain.parallel.parallelize) adaptive_r and a2a_ffn_overlap_degree override
+    the strategy's. An empty batch gives an empty output and zero losses.
+
+    After each call:
+      aux_loss  balance_loss_weight * balance loss + z_loss_weight * z-loss, a scalar in the graph:
+                add it to the training loss (the trainer does).
+      stats     RoutingStats, tensors left on the device until read:
+                  tokens_per_expert  int64 [E], the choices routed to each expert before dropping;
+                  kept_per_expert    int64 [E], those that got a row;
+                  padded_capacity    C in the padded layout, None when packed (cf <= 0);
+                  capacity           rows an expert: C, or the largest kept_per_expert when packed;
+                  dropped_fraction   1 - kept / routed choices, over all experts;
+                  balance_loss, z_loss   the unweighted losses (z_loss computed on first read);
+                  router_logits      [T, E] fp32, detached.
+    """
+
     def __init__(
         self,
         model_dim: int,
@@ -148,7 +211,7 @@ class MoELayer(nn.Module):
         self.stats: RoutingStats | None = None
         # Set by moetrain.parallel.parallelize: runs the experts across ranks (None: all local).
         self.parallel = None
-        # Set by moetrain.moe.recompute.set_activation_checkpointing (selective mode): the experts'
+        # Set by moetrain.moe.set_activation_checkpointing (selective mode): the experts'
         # hidden activations are recomputed in backward from the dispatched buffer.
         self.recompute_experts = False
 
@@ -156,7 +219,7 @@ class MoELayer(nn.Module):
     def precision(self) -> str:
         """How the routed experts' GEMMs multiply: "bf16" (in the operands' dtype), "fp8" (the
         forward and input-gradient GEMMs in FP8, row-wise scales) or "fp8_block" (the same with
-        DeepSeek-V3's 1x128 / 128x128 block scales); moetrain.quant.training. Settable."""
+        DeepSeek-V3's 1x128 / 128x128 block scales); moetrain.precision.fp8_matmul. Settable."""
         return self.experts.precision
 
     @precision.setter
@@ -312,3 +375,23 @@ class MoELayer(nn.Module):
         if recompute_experts:
             return recompute.checkpoint_experts(self.experts, self.experts, buf_RD, plan.counts_E, plan.capacity)
         return self.experts(buf_RD, plan.counts_E, plan.capacity)
+
+
+def moe_layers(model: nn.Module) -> list[MoELayer]:
+    return [module for module in model.modules() if isinstance(module, MoELayer)]
+
+
+def set_activation_checkpointing(model: nn.Module, mode: str) -> None:
+    """Set the mode (moetrain/moe/recompute.py) on every checkpointed block and MoE layer of `model`."""
+    recompute.check_mode(mode)
+    blocks = [module for module in model.modules() if isinstance(module, recompute.CheckpointedBlock)]
+    if mode == "full" and not blocks:
+        raise ValueError("activation_checkpointing=full recomputes transformer blocks and this model has none: "
+                         "use selective (MoE layers' experts) or none")
+    if mode == "selective" and not blocks and not moe_layers(model):
+        raise ValueError("activation_checkpointing=selective recomputes attention and experts and this model has "
+                         "neither transformer blocks nor MoE layers: use none")
+    for block in blocks:
+        block.activation_checkpointing = mode
+    for layer in moe_layers(model):
+        layer.recompute_experts = mode == "selective"

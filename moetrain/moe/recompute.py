@@ -1,6 +1,6 @@
 """Activation checkpointing (torch.utils.checkpoint, non-reentrant) that never re-routes.
 
-Three modes, set on a model by `set_activation_checkpointing(model, mode)`:
+Three modes, set on a model by `moetrain.moe.set_activation_checkpointing(model, mode)`:
 
   none       every activation is kept for the backward pass;
   selective  attention (with its input norm) and the routed experts' hidden activations are
@@ -19,7 +19,9 @@ statistics equal those of the model without checkpointing, bit for bit on the sa
 
 How a recomputing MoE layer knows: `checkpoint_block` gives torch.utils.checkpoint a context_fn
 whose forward context records each layer's plan and whose recompute context replays it; the
-layer asks `routing_phase()`.
+layer asks `routing_phase()`. A model's blocks take part by subclassing CheckpointedBlock: the
+mode is set on them, and they call checkpoint_block / checkpoint_call on their own parts, so this
+module knows no model.
 """
 
 from __future__ import annotations
@@ -31,6 +33,8 @@ import torch
 
 from torch import nn
 from torch.utils.checkpoint import checkpoint
+
+from moetrain.moe.experts import splits_hidden
 
 MODES = ("none", "selective", "full")
 
@@ -101,28 +105,15 @@ def checkpoint_experts(run, experts, x_RD: torch.Tensor, *args):
     Experts that split (moetrain.moe.experts.splits_hidden) recompute the hidden part alone: the
     output GEMM's input is kept and that GEMM runs once, a third of the experts' forward FLOPs
     (SwiGLU) not spent again. Others are recomputed whole."""
-    from moetrain.moe.experts import splits_hidden
-
     if not splits_hidden(experts):
         return checkpoint_call(run, x_RD, *args)
     h_RH = checkpoint_call(functools.partial(run, part="hidden"), x_RD, *args)
     return run(h_RH, *args, part="project")
 
 
-def set_activation_checkpointing(model: nn.Module, mode: str) -> None:
-    """Set the mode (see the top of this file) on every transformer block and MoE layer of `model`."""
-    from moetrain.models.layers import TransformerBlock
-    from moetrain.moe import moe_layers
+class CheckpointedBlock(nn.Module):
+    """A block that activation checkpointing recomputes (a transformer block): set_activation_checkpointing
+    sets `activation_checkpointing` to one of MODES; under "full" the block runs its forward through
+    checkpoint_block, under "selective" the parts it chooses through checkpoint_call."""
 
-    check_mode(mode)
-    blocks = [module for module in model.modules() if isinstance(module, TransformerBlock)]
-    if mode == "full" and not blocks:
-        raise ValueError("activation_checkpointing=full recomputes transformer blocks and this model has none: "
-                         "use selective (MoE layers' experts) or none")
-    if mode == "selective" and not blocks and not moe_layers(model):
-        raise ValueError("activation_checkpointing=selective recomputes attention and experts and this model has "
-                         "neither transformer blocks nor MoE layers: use none")
-    for block in blocks:
-        block.activation_checkpointing = mode
-    for layer in moe_layers(model):
-        layer.recompute_experts = mode == "selective"
+    activation_checkpointing = "none"

@@ -36,7 +36,7 @@ models that mix both.
 In FP8 precision (MoELayer(precision="fp8" | "fp8_block")) a dropless layer with r = 1 and its
 built-in experts hands run_experts the tokens (moetrain.moe.experts.TokenRows) instead of the bf16
 buffer: each token is quantized once on its own rank and its E4M3 rows travel with their scales,
-packed as bytes (ExchangedTokenRows; moetrain.quant.training.fp8_exchanged_matmul), about half the
+packed as bytes (ExchangedTokenRows; moetrain.precision.fp8_matmul.fp8_exchanged_matmul), about half the
 bytes of bf16 rows. The input gradient returns in bf16; the weight gradient is taken from the
 received FP8 rows, dequantized (with fp8_wgrad="fp8" quantized again: DeepSeek-V3's double
 quantization).
@@ -176,7 +176,7 @@ class ExchangedTokenRows(TokenRows):
 
     def fp8_matmul(self, w_EIO: torch.Tensor, counts_E, capacity: int | None, precision: str,
                    wgrad: str) -> torch.Tensor:
-        from moetrain.quant.training import fp8_exchanged_matmul  # noqa: PLC0415  (moetrain.quant imports moe)
+        from moetrain.precision.fp8_matmul import fp8_exchanged_matmul  # noqa: PLC0415  (Triton: loaded in FP8 only)
 
         return fp8_exchanged_matmul(self.x_TD, self.dest_TK, self.num_rows, self.exchange, w_EIO, counts_E, precision,
                                     self.impl, wgrad)

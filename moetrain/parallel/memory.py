@@ -5,7 +5,7 @@
     python -m moetrain.parallel.memory --preset moe_1b5 --world-sizes 1 --strategies fsdp --cpu-offload --mixed-precision
 
 For each world size W and parallel strategy, W processes (Gloo on CPUs, NCCL when there are W GPUs)
-build the model, lay it out (moetrain.parallel.training.Distributed), take --steps training steps (forward,
+build the model, lay it out (moetrain.parallel.processes.Distributed), take --steps training steps (forward,
 backward, AdamW) on random tokens and report, per rank (the largest over ranks):
 
   params      bytes of the parameters this rank stores (its shards: DTensor local tensors);
@@ -69,7 +69,7 @@ def measure(strategy: str, preset: str, batch: int, seq_len: int, steps: int, de
     from moetrain.config import OptimConfig, ParallelConfig
     from moetrain.models import build_lm
     from moetrain.moe import moe_layers
-    from moetrain.parallel.training import Distributed
+    from moetrain.parallel.processes import Distributed
 
     torch.manual_seed(0)
     with device:  # built where it trains: no host copy of the whole model first

@@ -6,12 +6,12 @@
     print(format_memory(expert_memory(model)))
     save_quantized(model, plan, "model.q.pt"); load_quantized(fresh_model, "model.q.pt")
 
-Formats and their bit layouts: moetrain.quant.formats. Docs: docs/quantization.md.
+Formats and their bit layouts: moetrain.precision.formats. Docs: docs/quantization.md.
 """
 
 from moetrain.quant.experts import QuantizedExperts
 from moetrain.quant.export import FormatMemory, expert_memory, format_memory, load_quantized, save_quantized
-from moetrain.quant.formats import FORMATS, WeightFormat, get_format
+from moetrain.precision.formats import FORMATS, WeightFormat, get_format
 from moetrain.quant.policy import QuantPolicy, apply_plan, calibrate, quantize_model
 
 __all__ = [

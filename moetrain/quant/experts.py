@@ -1,6 +1,6 @@
 """Quantized routed experts: drop-in inference replacements for FFNExperts and SwiGLUExperts.
 
-Each expert keeps its weights in its own format (see moetrain.quant.formats), so a policy can give
+Each expert keeps its weights in its own format (see moetrain.precision.formats), so a policy can give
 hot experts FP8 and cold ones FP4. Experts that share a format are stacked, so a format's GEMM can
 cover all of them in one launch. Every weight w_EIO of the float experts (x @ w[e]) is stored
 transposed, as w_NK = w[e].T: K (= I) is the reduction dimension along which the formats place
@@ -22,8 +22,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from moetrain.moe.experts import Experts, FFNExperts, SwiGLUExperts
-from moetrain.quant import kernels
-from moetrain.quant.formats import WeightFormat, get_format
+from moetrain.precision import kernels
+from moetrain.precision.formats import WeightFormat, get_format
 from moetrain.quant.matmul import ACTIVATION_GROUP, ExpertInput, ExpertRows, cuda_matmul, cuda_path, grouped_matmul
 
 # The weights each built-in expert type multiplies with, in the order of its forward.

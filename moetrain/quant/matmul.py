@@ -9,7 +9,7 @@ chosen from the rows per expert (R / E, known without waiting for the GPU) by cu
   triton               all                  few rows per expert (SMALL_BATCH_ROWS: decode), or rows
                                             not packed from row 0 (capacity layout, several formats
                                             in one layer): one grouped Triton GEMM that decodes the
-                                            weights in registers (moetrain.quant.kernels)
+                                            weights in registers (moetrain.precision.kernels)
   scaled_grouped_mm    fp8                  many rows, packed: torch._scaled_grouped_mm, per-token x
                                             scales and per-channel w scales, FP8 tensor cores
   dequant+grouped_mm   mxfp4, nvfp4         many rows, packed: FP4 -> bf16 once per call (Triton), then
@@ -30,8 +30,8 @@ from dataclasses import dataclass
 
 import torch
 
-from moetrain.quant import kernels
-from moetrain.quant.formats import FP8_BLOCK, WeightFormat, dequantize_fp8_groups, quantize_fp8_groups
+from moetrain.precision import kernels
+from moetrain.precision.formats import FP8_BLOCK, WeightFormat, dequantize_fp8_groups, quantize_fp8_groups
 
 # How each format's activations are grouped for FP8 quantization (0: the whole row, per token).
 ACTIVATION_GROUP = {"fp8": 0, "fp8_block": FP8_BLOCK}

@@ -18,7 +18,7 @@ from torch import nn
 
 from moetrain.moe import moe_layers
 from moetrain.quant.experts import QuantizedExperts
-from moetrain.quant.formats import get_format
+from moetrain.precision.formats import get_format
 
 
 @dataclass(frozen=True)

@@ -86,14 +86,15 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer
     # default multi-tensor AdamW took 32 ms of a 270 ms step, the fused one about half of that.
     # Elsewhere (CPU) torch's default implementation.
     fused = True if parameters and all(p.device.type == "cuda" for p in parameters) else None
+    betas = tuple(cfg.betas)
     low_precision = any(p.dtype in (torch.bfloat16, torch.float16) for p in parameters)
     if low_precision:
         if cfg.name != OptimizerName.adamw:
             raise ValueError(f"OptimConfig.name={cfg.name.value!r} needs fp32 parameters: use 'adamw', whose "
                              "fp32 master weights make 16-bit parameters trainable")
-        return MasterWeightAdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps)
+        return MasterWeightAdamW(groups, lr=cfg.lr, betas=betas, eps=cfg.eps)
     if cfg.name == OptimizerName.adamw:
-        return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, fused=fused)
+        return torch.optim.AdamW(groups, lr=cfg.lr, betas=betas, eps=cfg.eps, fused=fused)
     return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum, fused=fused)
 
 

@@ -2,7 +2,7 @@
 
 The trainer asks its processes object for the optimizer and hands it the gradients after
 backward; SingleProcess builds the plain optimizer and has no gradients to reduce. Its
-multi-process counterpart (moetrain.parallel.training.Distributed, which lays the model out by a
+multi-process counterpart (moetrain.parallel.processes.Distributed, which lays the model out by a
 parallel strategy: data, expert, fsdp or fsdp_expert) provides the same attributes and methods: it
 averages dense gradients over ranks, leaves expert gradients to their owners, builds an MoE-aware
 optimizer, clips by the norm over all ranks, and writes one checkpoint file per rank.

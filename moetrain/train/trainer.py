@@ -38,9 +38,8 @@ from moetrain.config import (
     Device, FP8Wgrad, LoggerConfig, NonFinite, OptimConfig, ParamDtype, Precision, SettingError, TrainerConfig,
 )
 from moetrain.data import DataModule
-from moetrain.moe import MoELayer, moe_layers, set_parameter_dtype, update_router_biases
-from moetrain.moe.recompute import set_activation_checkpointing
-from moetrain.quant.training import fp8_supported
+from moetrain.moe import MoELayer, moe_layers, set_activation_checkpointing, set_parameter_dtype, update_router_biases
+from moetrain.precision.fp8_matmul import fp8_supported
 from moetrain.train import checkpoint
 from moetrain.train.metrics import TensorBoard, append_metrics, flatten, load_postfix, training_throughput
 from moetrain.timing import anatomy_markdown, profiled_kernels, step_anatomy

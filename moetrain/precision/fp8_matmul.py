@@ -1,0 +1,528 @@
+"""FP8 training of the expert GEMMs: MoELayer(precision="fp8" | "fp8_block"), trainer.precision=fp8 | fp8_block.
+
+The expert GEMMs of the forward and of the input gradient (dgrad) multiply E4M3 operands with fp32
+scales and fp32 accumulation; the weight gradient's (wgrad) multiplies bf16 operands, as the bf16
+layer's does (wgrad="bf16", MoELayer.fp8_wgrad's default), or E4M3 ones by the same recipe
+(wgrad="fp8", DeepSeek-V3's way). bf16 is the default because FP8's wgrad needs each expert's
+columns of x and dy quantized, and on an H200 those passes cost more than its FP8 GEMM saves
+(docs/performance.md). The master weights keep their dtype (fp32 under autocast) and are quantized
+afresh at every step. Two scaling recipes (R rows, K input features, N output features):
+
+"fp8", row-wise: scales run along the whole reduction dimension of each GEMM, so a scale can be
+taken out of the sum:
+
+  GEMM     product              first operand scaled per         second operand scaled per
+  forward  y_RN  = x_RK w_KN    row of x (token), over K          column n of w, over K
+  dgrad    dx_RK = dy_RN w_KN^T row of dy (token), over N         row k of w, over N
+  wgrad    dw_KN = x_RK^T dy_RN column k of x, over its expert's  column n of dy, over its expert's
+           (wgrad="fp8")        rows                              rows
+
+"fp8_block", DeepSeek-V3's fine-grained recipe (the inference format fp8_block's arithmetic,
+moetrain.precision.formats): scales per 128 elements of the reduction dimension, so one outlier costs
+the precision of 128 values, not of a whole row; the GEMM multiplies each 128-deep slab of partial
+sums by its two scales before accumulating:
+
+  GEMM     first operand scaled per                 second operand scaled per
+  forward  x: 1x128 tile along K, [R, K/128]        w: 128x128 block, [E, K/128, N/128]
+  dgrad    dy: 1x128 tile along N, [R, N/128]       w: the same 128x128 blocks, read transposed
+  wgrad    x: 128x1 tile, [R/128, K]                dy: 128x1 tile, [R/128, N]   (wgrad="fp8")
+
+(sizes rounded up). The wgrad tiles are global blocks of 128 packed rows (rows 128i..128i+127); a
+block that straddles two experts shares its scale between them, which keeps the quantization one
+pass with no per-expert padding.
+
+Gradients are E4M3 too, not E5M2: with a scale per row, per column and expert, or per 128-element
+tile the range of a scaled group is at most 448 / smallest normal, and E4M3's third mantissa bit
+halves the rounding error E5M2 would add (DeepSeek-V3 trains with E4M3 gradients under
+fine-grained scales for the same reason). Outputs round to bfloat16, as the tensor cores write
+them; dx and dw then take the dtype of x and w.
+
+On CUDA (sm90+), "fp8": the GEMMs are torch._scaled_grouped_mm or moetrain.ops.triton_grouped's,
+whichever is faster and accurate enough there (set_rowwise_gemms); the weight gradient's operands
+are transposed and quantized per expert column by two Triton kernels (each expert's column maxima,
+then the values written transposed, each expert's rows padded to a multiple of 16, the FP8 GEMMs'
+alignment).
+"fp8_block": the GEMMs are moetrain.ops.triton_grouped's block-scaled grouped GEMMs; the 1x128 tiles
+are quantized by moetrain.precision.kernels.quantize_fp8, the 128x1 tiles (transposed, rows contiguous) by the
+same Triton kernels as "fp8"'s columns, the 128x128 weight blocks by one Triton kernel (a program
+per block). On the CPU every GEMM is emulated: the operands are quantized with the same arithmetic
+(moetrain.precision.formats, bit for bit), dequantized to fp32 and multiplied in fp32, then rounded to
+bfloat16; only the order of the fp32 accumulation differs from the GPU.
+
+Quantized once, before dispatch: where the rows are copies of tokens (MoELayer's built-in experts
+in one process hand their first GEMM moetrain.moe.experts.TokenRows), fp8_token_matmul quantizes
+each token once (the forward's row or 1x128-tile scales) and gathers its E4M3 values and scales into
+the expert layout: half the bytes of dispatching bf16 rows, k times fewer rows quantized, and the
+same operands bit for bit, since a token's copies quantize alike. The bf16 rows are not kept for
+backward: the weight gradient dispatches the tokens again, and the input gradient is summed over
+each token's copies (dispatch's backward). Under expert parallelism the E4M3 rows travel to the
+experts' ranks (fp8_exchanged_matmul, the dropless layout at r = 1): there the weight gradient is
+taken from the received rows, dequantized (and with wgrad="fp8" quantized again per column:
+DeepSeek-V3's double quantization).
+
+The quantizers are moetrain.precision.fp8_quantize's; this module holds the GEMMs and their autograd.
+
+Shape letters: R rows (expert-major, packed or padded), K input features, N output features,
+E experts, P rows padded per expert to multiples of ALIGN; Kb, Nb, Rb those dims in 128-blocks.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from moetrain import ops
+from moetrain.ops.grouped import expert_matmul, group_ends
+from moetrain.precision.formats import FP8_BLOCK, dequantize_fp8_blocks, dequantize_fp8_groups
+from moetrain.precision.fp8_quantize import (
+    ALIGN, padded_ends, quantize_column_pair, quantize_column_tiles, quantize_row_tiles, quantize_rows, quantize_weight,
+    quantize_weight_blocks,
+)
+from moetrain.precision.recipes import check_fp8_precision, check_fp8_wgrad
+
+try:
+    import triton
+except ImportError:  # the CUDA path needs Triton (fp8_supported says so)
+    triton = None
+
+
+def fp8_supported(device: torch.device, precision: str = "fp8") -> tuple[bool, str]:
+    """Whether the FP8 expert GEMMs of this recipe ("fp8" or "fp8_block") run on this device, and
+    why not when they do not."""
+    check_fp8_precision(precision)
+    if device.type == "cpu":
+        return True, "CPU: emulated in fp32"
+    if device.type != "cuda":
+        return False, f"{device.type} tensors (FP8 training runs on CUDA or emulated on the CPU)"
+    if precision == "fp8" and (not hasattr(torch, "_scaled_grouped_mm") or triton is None):
+        return False, f"torch {torch.__version__} without torch._scaled_grouped_mm or without Triton"
+    if precision == "fp8_block" and triton is None:
+        return False, "an install without Triton (fp8_block's GEMMs are moetrain.ops.triton_grouped's)"
+    if torch.cuda.get_device_capability(device) < (9, 0):
+        return False, "GPU older than sm90 (Hopper): no FP8 grouped GEMM"
+    return True, "CUDA sm90+"
+
+
+
+# ---------------------------------------------------------------- GEMMs
+
+
+ROWWISE_GEMMS = ("auto", "torch", "triton")
+_rowwise_gemms = "auto"
+# Hopper's FP8 tensor cores accumulate at reduced precision unless the sum is promoted to fp32 every
+# few steps; torch._scaled_grouped_mm promotes, moetrain's Triton GEMMs (row-wise) do not. Measured
+# on an H200 against fp32 GEMMs of the same FP8 operands, the Triton ones' error grows with the
+# reduction: 4-8e-3 of the largest output up to 4096 terms, 1.0-1.7e-2 at 7168-28672 (torch's:
+# 2-3.4e-3 throughout). "auto" takes them up to this length, where they also ran 1.2-3.4x faster.
+FAST_ACCUMULATION_LIMIT = 4096
+
+
+def set_rowwise_gemms(backend: str) -> None:
+    """Which grouped GEMMs run precision="fp8" on CUDA: "torch" (torch._scaled_grouped_mm, fp32
+    promotion), "triton" (moetrain.ops.triton_grouped, row-wise scales in the epilogue, the tensor
+    cores' own accumulation) or "auto" (per GEMM: _triton_rows and _triton_columns)."""
+    global _rowwise_gemms
+    if backend not in ROWWISE_GEMMS:
+        raise ValueError(f"backend must be one of {list(ROWWISE_GEMMS)}, got {backend!r}")
+    _rowwise_gemms = backend
+
+
+def _triton_rows(reduction: int) -> bool:
+    """Forward and dgrad: the Triton GEMM where its sums are short enough (FAST_ACCUMULATION_LIMIT);
+    it ran 1.2-1.4x faster than torch's on the moe_1b5, mixtral and dsv3 shapes, 3-3.4x on qwen3_30b's
+    128 experts."""
+    if _rowwise_gemms != "auto":
+        return _rowwise_gemms == "triton"
+    return reduction <= FAST_ACCUMULATION_LIMIT
+
+
+def _triton_columns(num_experts: int, rows: int) -> bool:
+    """wgrad, which sums over each expert's rows: the Triton GEMM ran 2x faster than torch's with 128
+    experts of ~1024 rows (qwen3_30b), within 4 % with 8 of 8192 (moe_1b5), 10-60 % slower with 8 of
+    2048 (mixtral) and 256 of 256 (dsv3): "auto" takes it for many experts of 512 rows or more."""
+    if _rowwise_gemms != "auto":
+        return _rowwise_gemms == "triton"
+    per_expert = rows / max(num_experts, 1)
+    return num_experts >= 64 and 512 <= per_expert <= FAST_ACCUMULATION_LIMIT
+
+
+def rows_matmul(xq_RK, x_scale_R, wq_ENK, w_scale_EN, counts_E) -> torch.Tensor:
+    """y[r] = (xq[r] * x_scale[r]) @ (wq[e] * w_scale[e, :, None]).T for each row's expert e -> bf16 [R, N]."""
+    if xq_RK.size(0) == 0:
+        return torch.zeros(0, wq_ENK.size(1), dtype=torch.bfloat16, device=xq_RK.device)
+    if xq_RK.is_cuda:
+        ends_E = group_ends(counts_E, xq_RK.size(0), xq_RK.device)
+        if _triton_rows(xq_RK.size(1)):
+            from moetrain.ops import triton_grouped  # noqa: PLC0415 - Triton is imported on first use
+
+            return triton_grouped.grouped_mm(xq_RK, wq_ENK.transpose(1, 2), ends_E, a_scale=x_scale_R,
+                                             b_scale=w_scale_EN)
+        return torch._scaled_grouped_mm(xq_RK, wq_ENK.transpose(1, 2), x_scale_R, w_scale_EN, offs=ends_E,
+                                        out_dtype=torch.bfloat16)
+    x_RK = xq_RK.float() * x_scale_R.unsqueeze(1)
+    w_EKN = (wq_ENK.float() * w_scale_EN.unsqueeze(2)).transpose(1, 2)
+    return expert_matmul(x_RK, w_EKN, counts_E, None, backend="loop").to(torch.bfloat16)
+
+
+def columns_matmul(aq_KP, a_scale_EK, bq_NP, b_scale_EN, counts_E) -> torch.Tensor:
+    """dw[e] = A_e @ B_e.T over expert e's (padded) columns, with A_e = aq[:, cols_e] * a_scale[e, :, None]
+    and B_e likewise -> bf16 [E, K, N]."""
+    if aq_KP.size(1) == 0:
+        return torch.zeros(counts_E.numel(), aq_KP.size(0), bq_NP.size(0), dtype=torch.bfloat16, device=aq_KP.device)
+    ends_E = padded_ends(counts_E)
+    if aq_KP.is_cuda:
+        if _triton_columns(counts_E.numel(), aq_KP.size(1)):
+            from moetrain.ops import triton_grouped  # noqa: PLC0415 - Triton is imported on first use
+
+            return triton_grouped.grouped_mm_wgrad(aq_KP.t(), bq_NP.t(), ends_E, a_scale=a_scale_EK,
+                                                   b_scale=b_scale_EN, out_dtype=torch.bfloat16)
+        return torch._scaled_grouped_mm(aq_KP, bq_NP.t(), a_scale_EK.reshape(-1), b_scale_EN.reshape(-1),
+                                        offs=ends_E, out_dtype=torch.bfloat16)
+    ends = ends_E.tolist()
+    starts = [0] + ends[:-1]
+    a_KP, b_NP = aq_KP.float(), bq_NP.float()
+    dw = [(a_KP[:, s:t] * a_scale_EK[e].unsqueeze(1)) @ (b_NP[:, s:t] * b_scale_EN[e].unsqueeze(1)).t()
+          for e, (s, t) in enumerate(zip(starts, ends))]
+    return torch.stack(dw).to(torch.bfloat16)
+
+
+def block_rows_matmul(aq_RK, a_scale_RKb, bq_EKN, b_scale_EKbNb, counts_E) -> torch.Tensor:
+    """c[r] = A[r] @ B[e] for each row's expert e -> bf16 [R, N], with A = aq scaled per 1x128 tile
+    along K (a_scale [R, Kb]) and B = bq scaled per 128x128 block (b_scale [E, Kb, Nb]): the
+    forward (b = w) and dgrad (b = w[e].T, K and N swapped) of fp8_block. bq may be any view; for
+    the GPU's speed b[e] should have K contiguous. counts_E must sum to R."""
+    rows, n = aq_RK.size(0), bq_EKN.size(2)
+    if rows == 0:
+        return torch.zeros(0, n, dtype=torch.bfloat16, device=aq_RK.device)
+    if aq_RK.is_cuda:
+        from moetrain.ops import triton_grouped  # noqa: PLC0415 - Triton is imported on first use
+
+        return triton_grouped.grouped_mm(aq_RK, bq_EKN, group_ends(counts_E, rows, aq_RK.device), a_scale=a_scale_RKb,
+                                         b_scale=b_scale_EKbNb, block=FP8_BLOCK, out_dtype=torch.bfloat16)
+    a_RK = dequantize_fp8_groups(aq_RK, a_scale_RKb, FP8_BLOCK)
+    b_EKN = dequantize_fp8_blocks(bq_EKN, b_scale_EKbNb)
+    return expert_matmul(a_RK, b_EKN, counts_E, None, backend="loop").to(torch.bfloat16)
+
+
+def block_columns_matmul(aq_RK, a_scale_RbK, bq_RN, b_scale_RbN, counts_E) -> torch.Tensor:
+    """dw[e] = sum over expert e's rows r of A[r]^T B[r] -> bf16 [E, K, N], with A and B scaled per
+    128x1 tile (a_scale [Rb, K], b_scale [Rb, N]: one scale per column and global 128-row block):
+    fp8_block's weight gradient. aq and bq may be transposed views (the GPU reads them fastest with
+    rows contiguous). counts_E must sum to R."""
+    num_experts, rows, k, n = counts_E.numel(), aq_RK.size(0), aq_RK.size(1), bq_RN.size(1)
+    if rows == 0:
+        return torch.zeros(num_experts, k, n, dtype=torch.bfloat16, device=aq_RK.device)
+    if aq_RK.is_cuda:
+        from moetrain.ops import triton_grouped  # noqa: PLC0415 - Triton is imported on first use
+
+        return triton_grouped.grouped_mm_wgrad(aq_RK, bq_RN, group_ends(counts_E, rows, aq_RK.device),
+                                               a_scale=a_scale_RbK, b_scale=b_scale_RbN, block=FP8_BLOCK,
+                                               out_dtype=torch.bfloat16)
+    # A 128x1 tile is a 1x128 tile of the transpose.
+    a_RK = dequantize_fp8_groups(aq_RK.t(), a_scale_RbK.t(), FP8_BLOCK).t()
+    b_RN = dequantize_fp8_groups(bq_RN.t(), b_scale_RbN.t(), FP8_BLOCK).t()
+    counts = counts_E.tolist()
+    dw = [a_rK.t() @ b_rN for a_rK, b_rN in zip(torch.split(a_RK, counts), torch.split(b_RN, counts))]
+    return torch.stack(dw).to(torch.bfloat16)
+
+
+def _quantize_rows_of(precision: str, x_RK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The forward's first operand: one scale per row ("fp8") or per 1x128 tile ("fp8_block")."""
+    return quantize_row_tiles(x_RK) if precision == "fp8_block" else quantize_rows(x_RK)
+
+
+def _forward_gemm(precision: str, xq_RK, x_scale, w_EKN: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
+    """The forward GEMM on quantized rows (x_scale: [R] or [R, Kb]) -> bf16 [R, N]."""
+    if precision == "fp8_block":
+        wq_ENK, w_scale_EKbNb = quantize_weight_blocks(w_EKN, k_contiguous=True)
+        return block_rows_matmul(xq_RK, x_scale, wq_ENK.transpose(1, 2), w_scale_EKbNb, counts_E)
+    wq_ENK, w_scale_EN = quantize_weight(w_EKN, over=1)
+    return rows_matmul(xq_RK, x_scale, wq_ENK, w_scale_EN, counts_E)
+
+
+def _grad_input(precision: str, dy_RN: torch.Tensor, w_EKN: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
+    """dgrad, dx = dy w[e]^T -> bf16 [R, K]."""
+    dyq_RN, dy_scale = _quantize_rows_of(precision, dy_RN)
+    if precision == "fp8_block":
+        wq_EKN, w_scale_EKbNb = quantize_weight_blocks(w_EKN, k_contiguous=False)
+        # the second operand is w[e].T [N, K], N (its reduction dim) contiguous
+        return block_rows_matmul(dyq_RN, dy_scale, wq_EKN.transpose(1, 2), w_scale_EKbNb.transpose(1, 2).contiguous(),
+                                 counts_E)
+    wq_EKN, w_scale_EK = quantize_weight(w_EKN, over=2)
+    return rows_matmul(dyq_RN, dy_scale, wq_EKN, w_scale_EK, counts_E)
+
+
+def bf16_weight_grad(x_RK: torch.Tensor, dy_RN: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
+    """dw[e] = x_e^T dy_e over expert e's rows with both operands rounded to bf16, fp32 sums, bf16
+    out [E, K, N]: the bf16 layer's weight gradient (torch._grouped_mm on CUDA; on the CPU the same
+    rounding, one fp32 matmul per expert). counts_E must sum to R."""
+    x_RK, dy_RN = x_RK.to(torch.bfloat16), dy_RN.to(torch.bfloat16)
+    num_experts, rows = counts_E.numel(), x_RK.size(0)
+    if rows == 0:
+        return torch.zeros(num_experts, x_RK.size(1), dy_RN.size(1), dtype=torch.bfloat16, device=x_RK.device)
+    if x_RK.is_cuda:
+        return torch._grouped_mm(x_RK.t(), dy_RN, offs=group_ends(counts_E, rows, x_RK.device))
+    counts = counts_E.tolist()
+    dw = [x_rK.float().t() @ dy_rN.float() for x_rK, dy_rN in zip(torch.split(x_RK, counts), torch.split(dy_RN, counts))]
+    return torch.stack(dw).to(torch.bfloat16)
+
+
+def _grad_weight(precision: str, x_RK: torch.Tensor, dy_RN: torch.Tensor, counts_E: torch.Tensor,
+                 wgrad: str) -> torch.Tensor:
+    """wgrad, dw[e] = x_e^T dy_e -> bf16 [E, K, N]: in bf16 (wgrad="bf16") or in FP8 by the recipe."""
+    if wgrad == "bf16":
+        return bf16_weight_grad(x_RK, dy_RN, counts_E)
+    if precision == "fp8_block":
+        xq_KR, x_scale_RbK = quantize_column_tiles(x_RK)
+        dyq_NR, dy_scale_RbN = quantize_column_tiles(dy_RN)
+        return block_columns_matmul(xq_KR.t(), x_scale_RbK, dyq_NR.t(), dy_scale_RbN, counts_E)
+    # padded rows: known on the host only from the counts; the CPU path needs them anyway and on
+    # CUDA the worst case (every expert one row past a multiple) bounds it without a sync.
+    padded = _padded_rows(counts_E, x_RK.size(0))
+    xq_KP, x_scale_EK, dyq_NP, dy_scale_EN = quantize_column_pair(x_RK, dy_RN, counts_E, padded)
+    return columns_matmul(xq_KP, x_scale_EK, dyq_NP, dy_scale_EN, counts_E)
+
+
+class _FP8ExpertMatmul(torch.autograd.Function):
+    """The three GEMMs of the module docstring, in either recipe. Only x, w and the counts are kept
+    for backward: each GEMM quantizes its operands in the layout and scaling it needs."""
+
+    @staticmethod
+    def forward(ctx, x_RK, w_EKN, counts_E, precision, wgrad):
+        xq_RK, x_scale = _quantize_rows_of(precision, x_RK)
+        ctx.save_for_backward(x_RK, w_EKN, counts_E)
+        ctx.precision, ctx.wgrad = precision, wgrad
+        return _forward_gemm(precision, xq_RK, x_scale, w_EKN, counts_E).to(x_RK.dtype)
+
+    @staticmethod
+    def backward(ctx, dy_RN):
+        x_RK, w_EKN, counts_E = ctx.saved_tensors
+        dy_RN = dy_RN.contiguous()
+        grad_x = grad_w = None
+        if ctx.needs_input_grad[0]:
+            grad_x = _grad_input(ctx.precision, dy_RN, w_EKN, counts_E).to(x_RK.dtype)
+        if ctx.needs_input_grad[1]:
+            grad_w = _grad_weight(ctx.precision, x_RK, dy_RN, counts_E, ctx.wgrad).to(w_EKN.dtype)
+        return grad_x, grad_w, None, None, None
+
+
+def _source_rows(dest_TK: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """int64 [R]: the token whose copy row r of the expert layout holds (dest_TK[t, k] == r), T where
+    no token's does (padding, dropped choices' slots). No host sync: the dropped choices (dest -1)
+    write into a slot past the end, which is cut off."""
+    tokens, top_k = dest_TK.shape
+    flat_N = dest_TK.reshape(-1)
+    slot_N = torch.where(flat_N >= 0, flat_N, num_rows)
+    source = torch.full((num_rows + 1,), tokens, dtype=torch.int64, device=dest_TK.device)
+    source.scatter_(0, slot_N, torch.arange(tokens * top_k, device=dest_TK.device) // top_k)
+    return source[:num_rows]
+
+
+def _gather_rows_eager(table_TC: torch.Tensor, source_R: torch.Tensor, pad: float) -> torch.Tensor:
+    if table_TC.dtype == torch.float8_e4m3fn:  # moved as bytes (pad: a byte, 0 for +0)
+        return _gather_rows_eager(table_TC.view(torch.uint8), source_R, pad).view(torch.float8_e4m3fn)
+    return torch.cat([table_TC, table_TC.new_full((1, *table_TC.shape[1:]), pad)]).index_select(0, source_R)
+
+
+@torch.library.custom_op("moetrain::fp8_gather_rows", mutates_args=())
+def _gather_rows_op(table_TC: torch.Tensor, source_R: torch.Tensor, pad: float) -> torch.Tensor:
+    return _gather_rows_eager(table_TC, source_R, pad)
+
+
+@_gather_rows_op.register_fake
+def _(table_TC, source_R, pad):
+    return table_TC.new_empty((source_R.size(0), *table_TC.shape[1:]))
+
+
+def _gather_rows(table_TC: torch.Tensor, source_R: torch.Tensor, pad: float) -> torch.Tensor:
+    """table[source[r]] for each row r, with `pad` where source[r] == T (one row past the table). A
+    custom op on every device (the CPU runs the GPU's code path), so that torch.compile sees no
+    reinterpretation of E4M3 values as bytes."""
+    return _gather_rows_op(table_TC.contiguous(), source_R, float(pad))
+
+
+def _quantized_copies(precision: str, x_TK: torch.Tensor, source_R: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each token quantized once (the forward's recipe), its E4M3 values and scales gathered into
+    the rows source_R names; a row no token fills is zero, as dispatch leaves it: zero values,
+    scale 1."""
+    xq_TK, x_scale_T = _quantize_rows_of(precision, x_TK)
+    return _gather_rows(xq_TK, source_R, 0.0), _gather_rows(x_scale_T, source_R, 1.0)
+
+
+class _FP8TokenMatmul(torch.autograd.Function):
+    """_FP8ExpertMatmul on rows that are copies of tokens (TokenRows): each token is quantized
+    once, before dispatch, and its FP8 values and scales are gathered into the expert layout (half
+    a bf16 dispatch's bytes; a token's copies quantize alike, so the GEMM's operands are the same bit
+    for bit). Backward sums the copies' input gradients into their tokens (dispatch's backward), and
+    dispatches the tokens again for the weight gradient instead of keeping the bf16 rows."""
+
+    @staticmethod
+    def forward(ctx, x_TK, w_EKN, counts_E, dest_TK, num_rows, precision, wgrad, impl):
+        xq_RK, x_scale_R = _quantized_copies(precision, x_TK, _source_rows(dest_TK, num_rows))
+        ctx.save_for_backward(x_TK, w_EKN, counts_E, dest_TK)
+        ctx.num_rows, ctx.precision, ctx.wgrad, ctx.impl = num_rows, precision, wgrad, impl
+        return _forward_gemm(precision, xq_RK, x_scale_R, w_EKN, counts_E).to(x_TK.dtype)
+
+    @staticmethod
+    def backward(ctx, dy_RN):
+        x_TK, w_EKN, counts_E, dest_TK = ctx.saved_tensors
+        dy_RN = dy_RN.contiguous()
+        grad_x = grad_w = None
+        if ctx.needs_input_grad[0]:
+            grad_x = ops.sum_copies(_grad_input(ctx.precision, dy_RN, w_EKN, counts_E).to(x_TK.dtype), dest_TK,
+                                    ctx.impl)
+        if ctx.needs_input_grad[1]:
+            x_RK = ops.dispatch(x_TK, dest_TK, ctx.num_rows, impl=ctx.impl)
+            grad_w = _grad_weight(ctx.precision, x_RK, dy_RN, counts_E, ctx.wgrad).to(w_EKN.dtype)
+        return grad_x, grad_w, None, None, None, None, None, None
+
+
+def _padded_rows(counts_E: torch.Tensor, num_rows: int) -> int:
+    """P: a bound on the padded row count that needs no host sync on CUDA (each expert adds at most
+    ALIGN - 1 rows); on the CPU the exact count."""
+    if num_rows == 0:
+        return 0
+    if counts_E.is_cuda:
+        return -(-num_rows // ALIGN) * ALIGN + counts_E.numel() * ALIGN
+    return int(padded_ends(counts_E)[-1]) if counts_E.numel() else 0
+
+
+def _fp8_counts(precision: str, wgrad: str, device: torch.device, num_experts: int, rows: int, counts_E,
+                capacity: int | None):
+    """Checks precision, wgrad and the device; counts_E as int64 on the device, the last expert
+    owning the padding rows (zeros in, unread out)."""
+    check_fp8_precision(precision)
+    check_fp8_wgrad(wgrad)
+    ok, why = fp8_supported(device, precision)
+    if not ok:
+        raise ValueError(f"precision={precision!r} cannot run on {why}; use precision='bf16'")
+    if capacity is not None:
+        counts_E = [capacity] * num_experts
+    counts_E = torch.as_tensor(counts_E, device=device).to(torch.int64, copy=True)
+    counts_E[-1] += rows - counts_E.sum()
+    return counts_E
+
+
+def _autocast_input(x: torch.Tensor) -> torch.Tensor:
+    if torch.is_autocast_enabled(x.device.type):
+        return x.to(torch.get_autocast_dtype(x.device.type))
+    return x
+
+
+def fp8_expert_matmul(x_RK: torch.Tensor, w_EKN: torch.Tensor, counts_E: torch.Tensor | list[int],
+                      capacity: int | None, precision: str = "fp8", wgrad: str = "bf16") -> torch.Tensor:
+    """y[r] = x[r] @ w[expert_of(r)] with the forward and dgrad GEMMs in FP8, scaled by the recipe
+    `precision` ("fp8": row-wise, "fp8_block": DeepSeek-V3's blocks; module docstring), and the
+    weight gradient's GEMM in bf16 (wgrad="bf16") or FP8 by the same recipe (wgrad="fp8"); the same
+    layouts and arguments as moetrain.ops.grouped.expert_matmul."""
+    counts_E = _fp8_counts(precision, wgrad, x_RK.device, w_EKN.size(0), x_RK.size(0), counts_E, capacity)
+    x_RK = _autocast_input(x_RK)
+    with torch.autocast(x_RK.device.type, enabled=False):
+        return _FP8ExpertMatmul.apply(x_RK, w_EKN, counts_E, precision, wgrad)
+
+
+def fp8_token_matmul(x_TK: torch.Tensor, dest_TK: torch.Tensor, num_rows: int, w_EKN: torch.Tensor,
+                     counts_E: torch.Tensor | list[int], capacity: int | None, precision: str = "fp8",
+                     impl: str = "kernel", wgrad: str = "bf16") -> torch.Tensor:
+    """fp8_expert_matmul of the expert-major rows that dispatch (moetrain.ops.dispatch(x_TK,
+    dest_TK, num_rows, impl)) would make, without making them: each token is quantized once and
+    its FP8 rows gathered (_FP8TokenMatmul). The same result and gradients bit for bit; the input
+    gradient is in token order, [T, K]."""
+    counts_E = _fp8_counts(precision, wgrad, x_TK.device, w_EKN.size(0), num_rows, counts_E, capacity)
+    x_TK = _autocast_input(x_TK)
+    with torch.autocast(x_TK.device.type, enabled=False):
+        return _FP8TokenMatmul.apply(x_TK.contiguous(), w_EKN, counts_E, dest_TK.contiguous(), num_rows, precision,
+                                     wgrad, impl)
+
+
+def dequantize_rows_of(precision: str, xq_RK: torch.Tensor, x_scale: torch.Tensor) -> torch.Tensor:
+    """fp32 values of rows quantized by the forward's recipe (_quantize_rows_of)."""
+    if precision == "fp8_block":
+        return dequantize_fp8_groups(xq_RK, x_scale, FP8_BLOCK)
+    return dequantize_fp8_groups(xq_RK, x_scale.view(-1, 1), max(1, xq_RK.size(1)))
+
+
+# Packing and unpacking reinterpret E4M3 values and fp32 scales as bytes: custom ops, so that
+# torch.compile never sees those reinterpretations (as moetrain::fp8_gather_rows).
+@torch.library.custom_op("moetrain::fp8_pack_rows", mutates_args=())
+def _pack_rows_op(xq_RK: torch.Tensor, scale_RS: torch.Tensor) -> torch.Tensor:
+    return torch.cat([xq_RK.view(torch.uint8), scale_RS.contiguous().view(torch.uint8)], dim=1)
+
+
+@_pack_rows_op.register_fake
+def _(xq_RK, scale_RS):
+    return xq_RK.new_empty((xq_RK.size(0), xq_RK.size(1) + 4 * scale_RS.size(1)), dtype=torch.uint8)
+
+
+@torch.library.custom_op("moetrain::fp8_unpack_rows", mutates_args=())
+def _unpack_rows_op(packed_RB: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    values = packed_RB[:, :k].clone(memory_format=torch.contiguous_format)
+    scales = packed_RB[:, k:].clone(memory_format=torch.contiguous_format)
+    return values.view(torch.float8_e4m3fn), scales.view(torch.float32)
+
+
+@_unpack_rows_op.register_fake
+def _(packed_RB, k):
+    rows = packed_RB.size(0)
+    return (packed_RB.new_empty((rows, k), dtype=torch.float8_e4m3fn),
+            packed_RB.new_empty((rows, (packed_RB.size(1) - k) // 4), dtype=torch.float32))
+
+
+def _pack_rows(xq_RK: torch.Tensor, x_scale: torch.Tensor) -> torch.Tensor:
+    """uint8 [R, K + 4 S]: each row's E4M3 values, then its S fp32 scales' bytes (one exchange)."""
+    return _pack_rows_op(xq_RK.contiguous(), x_scale if x_scale.dim() == 2 else x_scale.unsqueeze(1))
+
+
+def _unpack_rows(packed_RB: torch.Tensor, k: int, precision: str) -> tuple[torch.Tensor, torch.Tensor]:
+    xq_RK, x_scale_RS = _unpack_rows_op(packed_RB, k)
+    return xq_RK, (x_scale_RS if precision == "fp8_block" else x_scale_RS.view(-1))
+
+
+class _FP8ExchangedMatmul(torch.autograd.Function):
+    """_FP8TokenMatmul across ranks (expert parallelism): each token is quantized once, on its own
+    rank, and its E4M3 rows travel to their experts' ranks with their scales, packed as bytes in one
+    exchange: K + 4 bytes a row ("fp8"; K + 4 K/128 for "fp8_block") against 2 K for bf16. The
+    forward GEMM multiplies them as received: the same operands, bit for bit, as in one process.
+    Backward: the input gradient (bf16) travels back and is summed over each token's copies. The
+    weight gradient is taken from the received rows, dequantized (wgrad="fp8": and quantized again
+    per column, DeepSeek-V3's double quantization), since the bf16 rows never reach the expert's
+    rank: the one numerical difference from one process."""
+
+    @staticmethod
+    def forward(ctx, x_TK, w_EKN, counts_E, dest_TK, num_rows, precision, wgrad, impl, exchange):
+        source_S = _source_rows(dest_TK, num_rows)[:exchange.sent_rows]
+        packed_SB = _pack_rows(*_quantized_copies(precision, x_TK, source_S))
+        xq_RK, x_scale_R = _unpack_rows(exchange.to_experts(packed_SB), x_TK.size(1), precision)
+        ctx.save_for_backward(xq_RK, x_scale_R, w_EKN, counts_E, dest_TK)
+        ctx.num_rows, ctx.precision, ctx.wgrad, ctx.impl = num_rows, precision, wgrad, impl
+        ctx.exchange, ctx.dtype = exchange, x_TK.dtype
+        return _forward_gemm(precision, xq_RK, x_scale_R, w_EKN, counts_E).to(x_TK.dtype)
+
+    @staticmethod
+    def backward(ctx, dy_RN):
+        xq_RK, x_scale_R, w_EKN, counts_E, dest_TK = ctx.saved_tensors
+        dy_RN = dy_RN.contiguous()
+        grad_x = grad_w = None
+        if ctx.needs_input_grad[0]:
+            dx_SK = ctx.exchange.to_tokens(_grad_input(ctx.precision, dy_RN, w_EKN, counts_E).to(ctx.dtype))
+            unsent = dx_SK.new_zeros(ctx.num_rows - dx_SK.size(0), dx_SK.size(1))
+            grad_x = ops.sum_copies(torch.cat([dx_SK, unsent]), dest_TK, ctx.impl)
+        if ctx.needs_input_grad[1]:
+            x_RK = dequantize_rows_of(ctx.precision, xq_RK, x_scale_R).to(ctx.dtype)
+            grad_w = _grad_weight(ctx.precision, x_RK, dy_RN, counts_E, ctx.wgrad).to(w_EKN.dtype)
+        return grad_x, grad_w, None, None, None, None, None, None, None
+
+
+def fp8_exchanged_matmul(x_TK: torch.Tensor, dest_TK: torch.Tensor, num_rows: int, exchange, w_EKN: torch.Tensor,
+                         counts_E: torch.Tensor | list[int], precision: str = "fp8",
+                         impl: str = "kernel", wgrad: str = "bf16") -> torch.Tensor:
+    """fp8_token_matmul whose rows live on other ranks (_FP8ExchangedMatmul). This rank's rows are
+    the first exchange.sent_rows of the expert-major rows dispatch(x_TK, dest_TK, num_rows) would
+    make; `exchange` moves rows between the ranks: exchange.to_experts(rows [sent_rows, B]) ->
+    [exchange.received_rows, B], the rows of this rank's experts (w_EKN, counts_E: packed, in
+    expert order), and exchange.to_tokens, the way back. Returns those rows' products; the input
+    gradient is in token order, [T, K]."""
+    counts_E = _fp8_counts(precision, wgrad, x_TK.device, w_EKN.size(0), exchange.received_rows, counts_E, None)
+    x_TK = _autocast_input(x_TK)
+    with torch.autocast(x_TK.device.type, enabled=False):
+        return _FP8ExchangedMatmul.apply(x_TK.contiguous(), w_EKN, counts_E, dest_TK.contiguous(), num_rows,
+                                         precision, wgrad, impl, exchange)
