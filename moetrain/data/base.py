@@ -2,14 +2,16 @@
 
 A data preset (conf/data/*.yaml) names a builder with `_target_`; the builder returns a
 `DataModule`. The module says which task it serves, so one trainer fits both image
-classification and language modelling: batches are always `(inputs, targets)`, and the loss is
+classification and language modelling: batches are `(inputs, targets)`, and the loss is
 cross-entropy of the model's logits `[..., C]` against integer targets `[...]` (one class per
-image, or the next token per position).
+image, or the next token per position). A batch may carry a third element, a dict of keyword
+arguments for the model (a language model's `document_ids`), which the trainer passes on.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch.utils.data import Dataset
@@ -26,6 +28,9 @@ class DataModule:
     eval_batch_size: int
     num_workers: int
     model_inputs: dict  # model arguments the data fixes, e.g. image_size, in_channels, num_classes
+    # The text's tokenizer (moetrain.data.tokenizer), which a run directory records; None for data
+    # given as token ids without one, and for images.
+    tokenizer: Any = None
 
     def __post_init__(self):
         if self.task not in TASKS:
