@@ -32,6 +32,7 @@ import random
 import re
 from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 
 import numpy as np
@@ -39,15 +40,15 @@ import torch
 from torch import nn
 
 from moetrain.data.base import DataModule
-from moetrain.data.text import SUFFIXES, ByteTokenizer
+from moetrain.data.tokenizer import TOKENIZER_FILE, Tokenizer, load_tokenizer
 from moetrain.models.routing import layer_kwargs
 from moetrain.train import checkpoint
 
 log = logging.getLogger(__name__)
 
 _STEP = re.compile(r"^step_(\d+)(\.pt)?$")
-# The data builder whose text files are read with the byte-level tokenizer (moetrain/data/text.py).
-TEXT_DATA_TARGET = "moetrain.data.text.text"
+# A run's copy of its tokenizer's files (moetrain/data/tokenizer.py), written when it starts.
+TOKENIZER_DIR = "tokenizer"
 
 
 class RunError(ValueError):
@@ -76,20 +77,14 @@ class Run:
     def task(self) -> str:
         return self.data.task
 
-    @property
-    def tokenizer(self) -> ByteTokenizer | None:
-        """The byte-level tokenizer when the run trained on text read by it; None for token ids
+    @cached_property
+    def tokenizer(self) -> Tokenizer | None:
+        """The run's tokenizer: the copy in RUN/tokenizer/ (a tokenizer.json run), else its data's
+        (the byte-level tokenizer for text read by it); None for token ids without a tokenizer
         (token files, the synthetic language) and for image runs."""
-        return ByteTokenizer() if is_byte_level(self.config.get("data", {})) else None
-
-
-def is_byte_level(data_config: dict) -> bool:
-    """Whether a data config reads text through the byte-level tokenizer (data=text on .txt/.jsonl)."""
-    if data_config.get("_target_") != TEXT_DATA_TARGET or not data_config.get("path"):
-        return False
-    path = Path(data_config["path"]).expanduser()
-    files = [path] if path.is_file() else sorted(p for p in path.glob("*") if p.suffix in SUFFIXES)
-    return bool(files) and files[0].suffix in (".txt", ".jsonl")
+        if (self.run_dir / TOKENIZER_DIR / TOKENIZER_FILE).is_file():
+            return load_tokenizer(self.run_dir / TOKENIZER_DIR)
+        return self.data.tokenizer
 
 
 def locate(path: str, key: str):

@@ -42,6 +42,13 @@ class DataModule:
                 raise ValueError(f"data.{key} must be an integer >= {smallest}, got {value!r}")
 
 
+def unpack_batch(batch, device: torch.device, non_blocking: bool = False) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """(inputs, targets, model keyword arguments) of a batch, on `device` (the contract above)."""
+    inputs, targets, *extra = batch
+    arguments = {key: value.to(device, non_blocking=non_blocking) for key, value in (extra[0] if extra else {}).items()}
+    return inputs.to(device, non_blocking=non_blocking), targets.to(device, non_blocking=non_blocking), arguments
+
+
 class SeededTransform(Dataset):
     """Applies a random transform whose randomness depends only on (seed, epoch, index).
 
