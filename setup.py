@@ -112,6 +112,7 @@ setup(
         "numpy",
         "tqdm",
         "tensorboard",
+        "tokenizers>=0.19",
     ],
     extras_require={"test": ["pytest>=7"]},
     entry_points={"console_scripts": ["moetrain = moetrain.cli:main"]},

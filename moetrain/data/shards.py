@@ -45,8 +45,8 @@ from moetrain.data.tokenizer import Tokenizer, TokenizerError, load_tokenizer
 METADATA = "tokens.json"
 TOKENIZER_DIR = "tokenizer"
 FORMAT, VERSION = "moetrain.tokens", 1
-SHARD_BYTES = 256 * 2**20  # text per shard: a few hundred MB of tokens to map, few files
-ENCODE_BATCH = 1024  # documents per call of the batch encoder
+SHARD_BYTES = 64 * 2**20  # text per shard: few files, and little text in memory per worker
+ENCODE_BATCH_BYTES = 2**20  # text per call of the batch encoder (whose per-token objects are large)
 
 
 class ShardError(ValueError):
@@ -209,11 +209,18 @@ def _file_sha256(path: Path) -> str:
 def encode_shard(tokenizer: Tokenizer, index: int, texts: list[str], directory: Path, dtype: str) -> dict:
     """Encode one shard's documents (each followed by end-of-text) and write its two files
     (through temporary names, so that a file under its own name is whole); its record."""
-    pieces, lengths = [], []
-    for begin in range(0, len(texts), ENCODE_BATCH):
-        for ids in tokenizer.encode_batch(texts[begin : begin + ENCODE_BATCH]):
-            pieces.append(np.array(ids + [tokenizer.eos_id], dtype=dtype))
+    pieces, lengths, eos = [], [], np.array([tokenizer.eos_id], dtype=dtype)
+    begin = 0
+    while begin < len(texts):
+        # Batches of about ENCODE_BATCH_BYTES of text: the encoder's per-token objects stay small.
+        end, size = begin, 0
+        while end < len(texts) and (end == begin or size < ENCODE_BATCH_BYTES):
+            size += len(texts[end])
+            end += 1
+        for ids in tokenizer.encode_batch(texts[begin:end]):
+            pieces += [np.asarray(ids, dtype=dtype), eos]
             lengths.append(len(ids) + 1)
+        begin = end
     tokens = np.concatenate(pieces) if pieces else np.zeros(0, dtype=dtype)
     name = f"shard_{index:05d}"
     data = tokens.tobytes()
@@ -312,8 +319,8 @@ def tokenize_corpus(corpus: str | Path, out: str | Path, tokenizer: str | Path, 
                 encoded_bytes += text_bytes
                 job = pool.apply_async(_worker_encode, (index, texts, str(out), dtype))
                 pending.append((job, None, text_bytes, text_sha256))
-            # In order, and at most two shards per worker in flight: memory stays bounded.
-            while pending and (pending[0][0] is None or len(pending) > 2 * workers):
+            # In order, and at most one shard per worker waiting: memory stays bounded.
+            while pending and (pending[0][0] is None or len(pending) > workers + 1):
                 job, record, text_bytes, text_sha256 = pending.popleft()
                 finish(record if job is None else job.get(), text_bytes, text_sha256)
         while pending:

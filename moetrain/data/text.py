@@ -215,25 +215,44 @@ class _Corpus:
             shards = open_shards(Path(path))
             if tokenizer is not None and tokenizer.sha256 != shards.tokenizer_sha256:
                 raise ValueError(
-                    f"tokenizer={tokenizer_path!r} (sha256 {tokenizer.sha256[:12]}...) is not the tokenizer that wrote "
+                    f"tokenizer={tokenizer_path!r} ({tokenizer.source}, sha256 {str(tokenizer.sha256)[:12]}) is not the "
+                    "tokenizer that wrote "
                     f"the shards at path={path!r} (sha256 {shards.tokenizer_sha256[:12]}...): drop tokenizer= to use "
                     f"theirs, or tokenize the corpus again with it (moetrain tokenize CORPUS OUT --tokenizer "
                     f"{tokenizer_path})")
-            self.tokens, self.document_ends = shards.tokens, shards.document_ends
-            self.tokenizer, self.vocab_size, self.largest = shards.tokenizer, shards.vocab_size, shards.max_id
+            self.tokens, self.shards = shards.tokens, shards
+            self.tokenizer, self.largest = shards.tokenizer, shards.max_id
+            self.vocab_size = _vocabulary(vocab_size, self.tokenizer)
             return
         files = corpus_files(Path(path))
+        self.shards = None
         if suffix(files[0]) in TEXT_SUFFIXES:
             self.tokenizer = tokenizer or ByteTokenizer()
-            self.vocab_size = vocab_size or self.tokenizer.vocab_size
         elif vocab_size is None and tokenizer is None:
             raise ValueError("vocab_size=None: token files (.npy/.bin) need vocab_size, which the tokenizer that wrote "
                              "them knows (or give that tokenizer: tokenizer=PATH)")
         else:
-            self.tokenizer, self.vocab_size = tokenizer, vocab_size or tokenizer.vocab_size
-        self.tokens, self.document_ends = _read_stream(Path(path), text_key, token_dtype, self.vocab_size,
-                                                       self.tokenizer or ByteTokenizer())
+            self.tokenizer = tokenizer
+        self.vocab_size = _vocabulary(vocab_size, self.tokenizer)
+        self.tokens, self._document_ends = _read_stream(Path(path), text_key, token_dtype, self.vocab_size,
+                                                        self.tokenizer or ByteTokenizer())
         self.largest = int(self.tokens.max()) if len(self.tokens) else -1
+
+    @property
+    def document_ends(self) -> np.ndarray | None:
+        """The stream position after each document; None for token files (read from shards only
+        when asked)."""
+        return self.shards.document_ends if self.shards is not None else self._document_ends
+
+
+def _vocabulary(vocab_size: int | None, tokenizer: Tokenizer | None) -> int:
+    """The vocabulary the model gets: vocab_size when given, at least the tokenizer's, else the tokenizer's."""
+    if tokenizer is None:
+        return vocab_size
+    if vocab_size is not None and vocab_size < tokenizer.vocab_size:
+        raise ValueError(f"vocab_size={vocab_size} is smaller than the tokenizer's vocabulary ({tokenizer.vocab_size} "
+                         f"ids, {tokenizer.source}): set vocab_size to at least {tokenizer.vocab_size}, or to null")
+    return vocab_size or tokenizer.vocab_size
 
 
 def _split_ends(document_ends: np.ndarray | None, start: int, stop: int) -> np.ndarray | None:
@@ -268,23 +287,34 @@ def text(
     given = load_tokenizer(tokenizer) if tokenizer is not None else None
     corpus = _Corpus(path, text_key, token_dtype, vocab_size, given, tokenizer)
     vocab_size = corpus.vocab_size
-    tokens, ends = corpus.tokens, corpus.document_ends
+    tokens = corpus.tokens
+    held_out = None
     if eval_path is not None:
         held_out = _Corpus(eval_path, text_key, token_dtype, vocab_size, corpus.tokenizer, tokenizer or path)
-        train_tokens, train_ends, eval_tokens, eval_ends = tokens, ends, held_out.tokens, held_out.document_ends
+        if held_out.tokenizer is not None and held_out.tokenizer.sha256 != getattr(corpus.tokenizer, "sha256", None):
+            raise ValueError(f"eval_path={eval_path!r} holds shards of another tokenizer than path={path!r}: tokenize "
+                             "both with the same one")
+        train_tokens, eval_tokens = tokens, held_out.tokens
         largest = max(corpus.largest, held_out.largest)
     else:
         if not 0 < eval_fraction < 1:
             raise ValueError(f"eval_fraction={eval_fraction}: must be in (0, 1) when eval_path=None")
         split = max(len(tokens) - max(int(len(tokens) * eval_fraction), seq_len + 1), 0)
         train_tokens, eval_tokens = tokens[:split], tokens[split:]
-        train_ends, eval_ends = _split_ends(ends, 0, split), _split_ends(ends, split, len(tokens))
         largest = corpus.largest
-    if document_mask and (train_ends is None or eval_ends is None):
-        raise ValueError("document_mask=True needs document boundaries, which token files (.npy/.bin) do not have: "
-                         "tokenize the text with moetrain tokenize and train on the shards, or set document_mask=False")
-    train_set = PackedSequences(train_tokens, seq_len, train_ends if document_mask else None)
-    eval_set = PackedSequences(eval_tokens, seq_len, eval_ends if document_mask else None)
+    train_ends = eval_ends = None
+    if document_mask:
+        ends = corpus.document_ends
+        if ends is None or (held_out is not None and held_out.document_ends is None):
+            raise ValueError("document_mask=True needs document boundaries, which token files (.npy/.bin) do not have: "
+                             "tokenize the text with moetrain tokenize and train on the shards, or set "
+                             "document_mask=False")
+        if held_out is not None:
+            train_ends, eval_ends = ends, held_out.document_ends
+        else:
+            train_ends, eval_ends = _split_ends(ends, 0, split), _split_ends(ends, split, len(tokens))
+    train_set = PackedSequences(train_tokens, seq_len, train_ends)
+    eval_set = PackedSequences(eval_tokens, seq_len, eval_ends)
     if len(train_set) == 0 or len(eval_set) == 0:
         raise ValueError(
             f"path={str(path)!r} has {len(tokens)} tokens: too few for one training and one validation sequence "
