@@ -9,7 +9,8 @@ command's entry point in this process, in a scratch folder:
 - eval, generate, export and tokenize run on small runs, a corpus, shards and a tokenizer made
   here, which stand in for the pages' placeholders (runs/RUN, CORPUS, shards/, tokenizer/, ...);
 - a sweep (-m) runs each of its combinations so;
-- a usage synopsis (RUN_DIR, [--flag N]) runs as its command's --help;
+- a usage synopsis (RUN_DIR, [--flag N]), or a command named in prose (`moetrain eval`), runs as
+  its command's --help;
 - a `$ ` line whose page shows `moetrain: error: ...` under it must end with exit code 2 and that line.
 """
 
@@ -174,7 +175,7 @@ def test_the_documented_line_runs(line, places, tmp_path, monkeypatch, capsys):
         for part in line.error.split("..."):
             assert part.strip() in shown, f"{line}: the page shows {line.error!r}, the command says {shown!r}"
         return
-    if words[0] in commands.COMMANDS and is_synopsis(words):
+    if words[0] in commands.COMMANDS and (is_synopsis(words) or len(words) == 1):  # a synopsis, or its name
         words = [words[0], "--help"]
     elif words == ["COMMAND", "--help"]:
         words = ["eval", "--help"]
