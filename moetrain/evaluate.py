@@ -98,7 +98,7 @@ def _check_fits(run: Run, data: DataModule) -> None:
     if ours is not None and theirs is not None and ours.sha256 != theirs.sha256:
         raise RunError(f"the data is tokenized by {theirs.source} (sha256 {str(theirs.sha256)[:12]}...), not by the "
                        f"run's tokenizer ({ours.source}): evaluate on data tokenized by the run's tokenizer "
-                       f"(data.tokenizer={run.run_dir / 'tokenizer'})")
+                       f"(the data config's tokenizer: {run.run_dir / 'tokenizer'})")
     model_keys = run.config.get("model", {})
     for key, built in run.model_inputs.items():
         given = data.model_inputs.get(key)
