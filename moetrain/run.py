@@ -12,7 +12,8 @@ Where everything comes from:
   when the run directory was later resumed with other settings (which rewrites .hydra/config.yaml);
 - the data module is rebuilt from that config (`data._target_`), because the data fixes the
   model's input and output sizes (vocabulary, sequence length, image size, classes) unless the
-  model config sets them, as the command does;
+  model config sets them, as the command does; a data tokenizer is read from the run's copy
+  (RUN/tokenizer/, which the command writes) rather than from where it was when the run started;
 - the model is built from `model._target_` with every MoE layer getting the run's saved routing
   (the gate node, moetrain.models.routing.layer_kwargs), then the weights are loaded;
 - the checkpoint is read by moetrain.train.checkpoint (one-process runs: step_N.pt checked against
@@ -225,7 +226,11 @@ def load_run(run_dir: str | Path, step: int | None = None, device: str | torch.d
     config = state.get("config")
     if not isinstance(config, dict) or "model" not in config or "data" not in config:
         raise RunError(f"{path} holds no run config (model and data): it was not written by the moetrain trainer")
-    data = build_data(config["data"], int(config.get("seed", 0)))
+    data_config = dict(config["data"])
+    recorded = Path(run_dir).expanduser() / TOKENIZER_DIR
+    if data_config.get("tokenizer") and (recorded / TOKENIZER_FILE).is_file():
+        data_config["tokenizer"] = str(recorded)  # the run's own copy: the original may have moved since
+    data = build_data(data_config, int(config.get("seed", 0)))
     model = build_model(config, data.model_inputs)
     try:
         if _SHARDED_WEIGHTS in state:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 import sys
 from pathlib import Path
 
@@ -154,3 +155,17 @@ def test_eval_on_data_of_another_tokenizer_is_refused(setup, tmp_path, monkeypat
     error = capsys.readouterr().err
     assert code == 2 and "not by the run's tokenizer" in error and error.count("\n") == 1
     assert evaluate_run(load_run(setup / "text_run"), progress=False)["eval/bits_per_byte"] > 0
+
+
+def test_a_run_loads_with_its_own_tokenizer_copy_once_the_original_is_gone(setup, tmp_path):
+    moved = tmp_path / "text_run"
+    shutil.copytree(setup / "text_run", moved)
+    original = setup / "tok"
+    hidden = tmp_path / "hidden_tok"
+    original.rename(hidden)
+    try:
+        run = load_run(moved)
+        assert run.data.tokenizer.sha256 == load_tokenizer(hidden).sha256
+        assert evaluate_run(run, progress=False)["eval/bits_per_byte"] > 0
+    finally:
+        hidden.rename(original)
