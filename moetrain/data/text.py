@@ -155,13 +155,6 @@ def _check_token_ids(tokens: np.ndarray, file: Path, vocab_size: int | None) -> 
                          f"(at least {largest + 1})")
 
 
-def read_corpus(path: str | Path, text_key: str = "text", token_dtype: str = "uint16",
-                vocab_size: int | None = None, tokenizer: Tokenizer | None = None) -> np.ndarray:
-    """The token stream of a file or directory (see the module doc). Errors name the file (and the
-    line, for text); token files are checked against vocab_size when it is given."""
-    return _read_stream(Path(path), text_key, token_dtype, vocab_size, tokenizer or ByteTokenizer())[0]
-
-
 def _read_stream(path: Path, text_key: str, token_dtype: str, vocab_size: int | None,
                  tokenizer: Tokenizer) -> tuple[np.ndarray, np.ndarray | None]:
     """(token stream, document ends or None for token files) of a corpus of files."""
