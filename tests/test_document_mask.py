@@ -112,3 +112,14 @@ def test_flex_attention_matches_the_cpu_reference(name):
         reference = model(tokens_BT, document_ids=documents_BT)
         flex = model.cuda()(tokens_BT.cuda(), document_ids=documents_BT.cuda()).cpu()
     torch.testing.assert_close(flex, reference, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.cuda
+def test_a_compiled_model_with_document_ids_matches_eager():
+    model = tiny_lm("qwen3_moe_tiny").cuda().eval()
+    tokens_1T, documents_1T = packed_row([9, 4, 13, 6])
+    tokens_BT, documents_BT = tokens_1T.repeat(2, 1).cuda(), documents_1T.repeat(2, 1).cuda()
+    with torch.no_grad():
+        eager = model(tokens_BT, document_ids=documents_BT)
+        compiled = torch.compile(model)(tokens_BT, document_ids=documents_BT)
+    torch.testing.assert_close(compiled, eager, rtol=1e-4, atol=1e-4)

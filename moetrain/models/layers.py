@@ -152,20 +152,27 @@ def _flex_attention():
     return _compiled_flex_attention
 
 
+@torch.compiler.disable  # built eagerly, once per forward, also inside a compiled model
+def _block_mask(document_ids_BT: torch.Tensor, causal: bool):
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    B, T = document_ids_BT.shape
+
+    def same_document(b, h, q_index, kv_index):
+        inside = document_ids_BT[b, q_index] == document_ids_BT[b, kv_index]
+        return inside & (q_index >= kv_index) if causal else inside
+
+    return create_block_mask(same_document, B, None, T, T, device=document_ids_BT.device)
+
+
 def document_mask(document_ids_BT: torch.Tensor, causal: bool = True, flex: bool | None = None):
     """The attention mask that keeps each query inside its document (module doc): a flex-attention
     BlockMask when flex (default: on CUDA), else a boolean [B, 1, T, S] mask (True: attend)."""
-    B, T = document_ids_BT.shape
+    T = document_ids_BT.shape[1]
     if flex is None:
         flex = document_ids_BT.is_cuda
     if flex:
-        from torch.nn.attention.flex_attention import create_block_mask
-
-        def same_document(b, h, q_index, kv_index):
-            inside = document_ids_BT[b, q_index] == document_ids_BT[b, kv_index]
-            return inside & (q_index >= kv_index) if causal else inside
-
-        return create_block_mask(same_document, B, None, T, T, device=document_ids_BT.device)
+        return _block_mask(document_ids_BT, causal)
     mask_BTS = document_ids_BT[:, :, None] == document_ids_BT[:, None, :]
     if causal:
         mask_BTS &= torch.ones(T, T, dtype=torch.bool, device=document_ids_BT.device).tril()
