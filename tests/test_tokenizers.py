@@ -155,6 +155,13 @@ def test_an_interrupted_tokenization_continues_and_a_finished_one_verifies(token
     first.write_bytes(bytes(reversed(first.read_bytes())))
     with pytest.raises(ShardError, match="differs from its SHA-256"):
         tokenize_corpus(folder, out, tokenizer_dir, shard_bytes=700, progress=False)
+    # Interrupted before its first shard was recorded: tokens.json exists, a re-run starts it over.
+    started = tmp_path / "started"
+    tokenize_corpus(folder, started, tokenizer_dir, shard_bytes=700, progress=False)
+    metadata = json.loads((started / "tokens.json").read_text())
+    (started / "tokens.json").write_text(json.dumps({**metadata, "shards": [], "complete": False}))
+    tokenize_corpus(folder, started, tokenizer_dir, shard_bytes=700, progress=False)
+    assert {p.name: p.read_bytes() for p in started.iterdir() if p.is_file()} == finished
     (tmp_path / "busy").mkdir()
     (tmp_path / "busy" / "x").write_text("x")
     with pytest.raises(ShardError, match="not empty and holds no tokens.json"):

@@ -292,6 +292,8 @@ def tokenize_corpus(corpus: str | Path, out: str | Path, tokenizer: str | Path, 
         raise ShardError(f"{out} is not empty and holds no {METADATA}: give a new or empty folder as OUT")
     out.mkdir(parents=True, exist_ok=True)
     encoder.save(out / TOKENIZER_DIR)
+    if not recorded:  # from here on, a re-run continues this one (even before its first shard)
+        _write_metadata(out, metadata)
     total = None if any(p.name.endswith(".gz") for p in files) else sum(source["bytes"] for source in metadata["sources"])
     bar = tqdm(total=total, desc="tokenize", unit="B", unit_scale=True, dynamic_ncols=True, disable=not progress)
     # fork where there is one: the workers start at once, and the main module is not imported again.
@@ -304,7 +306,8 @@ def tokenize_corpus(corpus: str | Path, out: str | Path, tokenizer: str | Path, 
         metadata["shards"].append({**record, "text_bytes": text_bytes, "text_sha256": text_sha256})
         metadata["documents"] += record["documents"]
         metadata["tokens"] += record["tokens"]
-        _write_metadata(out, metadata)
+        if len(metadata["shards"]) > len(recorded):  # the recorded ones stay as they are until then
+            _write_metadata(out, metadata)
         bar.update(text_bytes)
 
     try:
