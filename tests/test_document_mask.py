@@ -62,6 +62,24 @@ def test_each_packed_document_gives_its_logits_alone(name):
     assert not torch.allclose(unmasked_1TV[:, 5:], alone_1TV[:, 5:], atol=1e-3)
 
 
+@pytest.mark.parametrize("name", ["qwen3_moe_tiny", "deepseek_v3_tiny"])
+def test_rotary_positions_restart_at_each_document(name):
+    """The choice, pinned directly: rotary attention depends on relative positions only, so the
+    logits of a masked document agree (to rounding) whether positions restart or run on; what the
+    attention gets are the tables of each position within its own document."""
+    model = tiny_lm(name).eval()
+    lengths = [5, 11, 1, 8]
+    tokens_1T, documents_1T = packed_row(lengths)
+    seen = []
+    hook = model.blocks[0].attn.register_forward_hook(lambda module, args, output: seen.append(args[1]))
+    with torch.no_grad():
+        model(tokens_1T, document_ids=documents_1T)
+    hook.remove()
+    cos, sin = seen[0]
+    within = [position for length in lengths for position in range(length)]
+    assert torch.equal(cos[0, 0], model.rotary_cos[within]) and torch.equal(sin[0, 0], model.rotary_sin[within])
+
+
 @pytest.mark.parametrize("mode", ["none", "selective", "full"])
 def test_gradients_through_the_mask_equal_separate_documents(mode):
     lengths = [6, 10]

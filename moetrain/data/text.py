@@ -63,11 +63,12 @@ class PackedSequences(Dataset):
             raise IndexError(f"index {index} out of range for {self.count} sequences")
         start = index * self.seq_len
         window = torch.as_tensor(np.asarray(self.tokens[start : start + self.seq_len + 1], dtype=np.int64))
+        inputs, targets = window[:-1], window[1:]
         if self.document_ends is None:
-            return window[:-1], window[1:]
+            return inputs, targets
         # A position belongs to the first document that ends after it.
         documents_T = np.searchsorted(self.document_ends, np.arange(start, start + self.seq_len), side="right")
-        return window[:-1], window[1:], {"document_ids": torch.as_tensor(documents_T - documents_T[0])}
+        return inputs, targets, {"document_ids": torch.as_tensor(documents_T - documents_T[0])}
 
 
 def suffix(path: Path) -> str:

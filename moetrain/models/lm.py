@@ -11,7 +11,9 @@ optional grouped-query heads (num_kv_heads) and q/k norms (Qwen3), or multi-head
 Packed documents: with `document_ids` [B, T] (the document of each position, as data=text
 data.document_mask=true gives them), a position attends only to earlier positions of its own
 document, and rotary positions restart at 0 where each document starts, so each document's
-logits are those of that document run alone.
+logits are those of that document run alone, position for position (rotary attention depends on
+relative positions only, so positions that ran on would change them by rounding alone; restarting
+gives every document exactly the tables it gets alone, as Hugging Face's per-document position_ids do).
 
 Shape letters as in moetrain/models/layers.py, plus V vocabulary.
 """
