@@ -152,7 +152,6 @@ def _flex_attention():
     return _compiled_flex_attention
 
 
-@torch.compiler.disable  # built eagerly, once per forward, also inside a compiled model
 def _block_mask(document_ids_BT: torch.Tensor, causal: bool):
     from torch.nn.attention.flex_attention import create_block_mask
 
@@ -172,7 +171,9 @@ def document_mask(document_ids_BT: torch.Tensor, causal: bool = True, flex: bool
     if flex is None:
         flex = document_ids_BT.is_cuda
     if flex:
-        return _block_mask(document_ids_BT, causal)
+        # Built eagerly, once per forward, also inside a compiled model. (torch.compiler.disable is
+        # applied here, not as a decorator: it imports dynamo, which every command would then load.)
+        return torch.compiler.disable(_block_mask)(document_ids_BT, causal)
     mask_BTS = document_ids_BT[:, :, None] == document_ids_BT[:, None, :]
     if causal:
         mask_BTS &= torch.ones(T, T, dtype=torch.bool, device=document_ids_BT.device).tril()
