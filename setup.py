@@ -113,6 +113,7 @@ setup(
         "safetensors>=0.4",
         "tqdm",
         "tensorboard",
+        "tokenizers>=0.19",
     ],
     # transformers only checks interoperability in tests (tiny checkpoints made and read back); the
     # library never imports it.

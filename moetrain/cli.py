@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
+import hashlib
 import itertools
 import logging
 import os
@@ -67,11 +68,13 @@ from moetrain.data import DataModule
 from moetrain.models.hf import CheckpointError as HFCheckpointError
 from moetrain.models.hf import pretrained_lm, read_pretrained_config, training_routing
 from moetrain.models.lm import LMConfig
+from moetrain.data.tokenizer import TOKENIZER_FILE
 from moetrain.models.presets import PRESETS
 from moetrain.models.routing_settings import flat_routing, layer_kwargs, setting_owners
 from moetrain.moe import EXPERTS, GATES
 from moetrain.ops import ExtensionUnavailable
 from moetrain.quant import FORMATS
+from moetrain.run import TOKENIZER_DIR
 from moetrain.parallel.launch import WorkerFailed, WorkersTerminated, choose_backend, init_from_torchrun, spawn
 from moetrain.train import NonFiniteLoss, Trainer, checkpoint, resolve_device, seed_everything
 from moetrain.train.lock import LOCK_NAME, RunDirectoryBusy, lock_run_directory, unlock_run_directory
@@ -236,6 +239,7 @@ def check_command_line(overrides: list[str], multirun: bool, config_dir: str | N
             key = _data_key(config)
             if build_data and key not in built:
                 data = _build_data(config)
+                check_vocabulary(config, data)
                 built[key] = (data.task, data.model_inputs)
                 if not multirun:  # the run itself uses it (a sweep's jobs build their own)
                     _PREBUILT_DATA[key] = data
@@ -460,6 +464,39 @@ def _model_key(config: Config) -> str:
     return repr((sorted(config.model.items()), dataclasses.asdict(config.gate), _data_key(config)))
 
 
+def check_vocabulary(config: Config, data: DataModule) -> None:
+    """Every id the data's tokenizer can give fits the model's embedding (model.vocab_size, when
+    the model config sets it; otherwise the data sets it). Raises ConfigError."""
+    size = config.model.get("vocab_size")
+    tokenizer = data.tokenizer
+    needed = max(data.model_inputs.get("vocab_size") or 0, tokenizer.vocab_size if tokenizer is not None else 0)
+    if isinstance(size, int) and needed > size:
+        what = f"the tokenizer {tokenizer.source}" if tokenizer is not None else "the data"
+        raise ConfigError(f"{what} has {needed} token ids, more than model.vocab_size={size} (the model's embedding): "
+                          f"raise model.vocab_size to at least {needed}, or use a tokenizer of at most {size} ids")
+
+
+def record_tokenizer(data: DataModule, run_dir: Path, run_config: dict, write: bool = True) -> None:
+    """A tokenizer.json run keeps its tokenizer: the files in RUN/tokenizer/ (written when `write`:
+    rank 0) and, in the config its checkpoints save, its SHA-256, vocabulary size and end-of-text
+    id. A run directory continued with another tokenizer is refused."""
+    tokenizer = data.tokenizer
+    if tokenizer is None or tokenizer.sha256 is None:
+        return
+    run_config["tokenizer"] = {"sha256": tokenizer.sha256, "vocab_size": tokenizer.vocab_size,
+                               "eos_id": tokenizer.eos_id, "files": sorted(tokenizer.files)}
+    recorded = run_dir / TOKENIZER_DIR
+    if not write:
+        return
+    if (recorded / TOKENIZER_FILE).is_file():
+        before = hashlib.sha256((recorded / TOKENIZER_FILE).read_bytes()).hexdigest()
+        if before != tokenizer.sha256:
+            raise ConfigError(f"{run_dir} was trained with another tokenizer ({recorded}, sha256 {before[:12]}...) than "
+                              f"{tokenizer.source} (sha256 {tokenizer.sha256[:12]}...): continue it with data.tokenizer="
+                              f"{recorded}, or train in a new run directory")
+    tokenizer.save(recorded)
+
+
 # ---- the run ------------------------------------------------------------------------------------
 def _instantiate(group: str, node: dict, **kwargs):
     try:
@@ -478,6 +515,7 @@ def build(config: Config) -> tuple[DataModule, torch.nn.Module]:
     """The data module, then the model: every MoE layer gets the routing of the gate node (the
     model's own with the user's overrides), and the data fixes the model's input and output sizes unless the model config sets them itself."""
     data = _PREBUILT_DATA.pop(_data_key(config), None) or _build_data(config)
+    check_vocabulary(config, data)
     seed_everything(config.seed)  # the model's initial weights do not depend on how the data was built
     return data, build_model(config, data)
 
@@ -507,6 +545,8 @@ def train(cfg: DictConfig, run_dir: Path, distributed: bool = False) -> dict:
                     "gate.bias_update_rate=%g per step: add gate.bias_update_rate=0 to keep it too", bias_update_rate)
     data, model = build(config)
     log.info("model %s: %.2fM parameters", config.model["_target_"], sum(p.numel() for p in model.parameters()) / 1e6)
+    run_config = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
+    record_tokenizer(data, run_dir, run_config, write=not distributed or dist.get_rank() == 0)
     trainer = Trainer(
         model,
         data,
@@ -515,7 +555,7 @@ def train(cfg: DictConfig, run_dir: Path, distributed: bool = False) -> dict:
         logger=config.logger,
         run_dir=run_dir,
         seed=config.seed,
-        run_config=OmegaConf.to_container(cfg, resolve=True, enum_to_str=True),
+        run_config=run_config,
         processes=Distributed(config.parallel) if distributed else None,
     )
     if config.mode == Mode.eval:
@@ -600,7 +640,7 @@ def _remove_unused_run_directory(run_dir: Path) -> None:
     made = list(_MADE_FOR_THE_RUN)
     if not made or os.path.realpath(made[0]) != os.path.realpath(run_dir) or not Path(run_dir).is_dir():
         return
-    if any(entry.name not in (".hydra", "moetrain.log", LOCK_NAME) for entry in Path(run_dir).iterdir()):
+    if any(entry.name not in (".hydra", "moetrain.log", LOCK_NAME, TOKENIZER_DIR) for entry in Path(run_dir).iterdir()):
         return
     unlock_run_directory(run_dir)
     shutil.rmtree(run_dir, ignore_errors=True)

@@ -5,12 +5,13 @@
     moetrain generate RUN_DIR --prompt "Once upon a time" --temperature 0.8 --top-p 0.95 --seed 0
     moetrain export RUN_DIR exported/ [--format qwen3_moe|deepseek_v3|mixtral|kimi_k2]
     moetrain convert-checkpoint --trust RUN_DIR               # rewrite old checkpoints you trust as data only
+    moetrain tokenize corpus/ shards/ --tokenizer tokenizer.json --workers 4
     moetrain --version                                        # versions, and which kernels run here
 
 moetrain.cli's entry point hands a command line to `dispatch` before Hydra reads it: a run
 directory's checkpoints hold the config that trained them (moetrain.run.load_run), so these
 commands need only what changes. Each one is a thin layer over the library (moetrain.run,
-moetrain.evaluate, moetrain.generate, moetrain.export); every mistake in its input, theirs included,
+moetrain.evaluate, moetrain.generate, moetrain.export, moetrain.data.shards); every mistake in its input, theirs included,
 ends like a training command's: one line `moetrain: error: ...` and exit code 2.
 
 This module is command-line code beside cli.py: it reads eval's overrides with Hydra's override
@@ -46,6 +47,8 @@ from moetrain.command_errors import (
     target_arguments,
 )
 from moetrain.config import ConfigError, Device, QuantConfig, SettingError, did_you_mean
+from moetrain.data.shards import ShardError, tokenize_corpus
+from moetrain.data.tokenizer import TokenizerError
 from moetrain.evaluate import evaluate_run
 from moetrain.export import ARCHITECTURES, EXPORTABLE, ExportError, export_hf
 from moetrain.generate import check_settings, stream_text
@@ -57,10 +60,11 @@ from moetrain.run import Run, RunError, load_run
 from moetrain.train import checkpoint, resolve_device
 from moetrain.train.checkpoint import CheckpointError
 
-COMMANDS = ("eval", "generate", "export", "convert-checkpoint")
+COMMANDS = ("eval", "generate", "export", "tokenize", "convert-checkpoint")
 # The config groups eval's overrides may choose or change; the model is the run's own.
 EVAL_GROUPS = ("data", "quant")
-REPORTED = (ConfigError, RunError, SettingError, CheckpointError, HFCheckpointError, ExtensionUnavailable, OSError)
+REPORTED = (ConfigError, RunError, SettingError, CheckpointError, HFCheckpointError, ExtensionUnavailable, ShardError,
+            TokenizerError, OSError)
 
 USAGE = """\
 usage: moetrain [+recipe=NAME] [GROUP=OPTION] [KEY=VALUE ...]   train (the config groups and keys are below)
@@ -73,6 +77,8 @@ usage: moetrain [+recipe=NAME] [GROUP=OPTION] [KEY=VALUE ...]   train (the confi
        moetrain convert-checkpoint --trust RUN_DIR|CHECKPOINT
                                        rewrite checkpoints you trust that hold objects other than data (those
                                        of an earlier moetrain) as tensors, containers and numbers
+       moetrain tokenize CORPUS OUT --tokenizer PATH [--workers N] [--text-key KEY]
+                                       turn .txt/.jsonl/.jsonl.gz text into token shards for data=text data.path=OUT
        moetrain --version              versions, and which compiled kernels are built and run here
        moetrain COMMAND --help         a command's options (all of them: --step N picks a checkpoint)
 """
@@ -176,7 +182,21 @@ def _parsers() -> dict[str, argparse.ArgumentParser]:
                          help="a run directory (every checkpoint in it), a step_N.pt file or a step_N/ directory")
     convert.add_argument("--trust", action="store_true",
                          help="required: you trust these files to run no harmful code while they are read")
-    return {"eval": evaluate, "generate": generate, "export": export, "convert-checkpoint": convert}
+    tokenize = _Parser(prog="moetrain tokenize", formatter_class=argparse.RawDescriptionHelpFormatter,
+                       description=textwrap.fill(
+                           "Tokenize a text corpus once into token shards that data=text data.path=OUT trains from, "
+                           "memory-mapped. The shards are the same for any --workers; run the command again after an "
+                           "interruption to continue (or, when it finished, to verify the shards).", 100))
+    tokenize.add_argument("corpus", metavar="CORPUS", type=Path,
+                          help="a .txt, .jsonl or .jsonl.gz file, or a directory of them (recursively)")
+    tokenize.add_argument("out", metavar="OUT", type=Path, help="the shard directory: new, empty, or this command's own")
+    tokenize.add_argument("--tokenizer", required=True, type=Path, metavar="PATH",
+                          help="a tokenizer.json or a directory holding one (the Hugging Face layout)")
+    tokenize.add_argument("--workers", type=int, default=1, metavar="N", help="processes that encode shards (default 1)")
+    tokenize.add_argument("--text-key", default="text", metavar="KEY",
+                          help="the field of each .jsonl line that holds its text (default: text)")
+    return {"eval": evaluate, "generate": generate, "export": export, "tokenize": tokenize,
+            "convert-checkpoint": convert}
 
 
 # ---- eval's overrides --------------------------------------------------------------------------------
@@ -373,6 +393,16 @@ def run_convert_checkpoint(args) -> None:
     print(f"{converted} checkpoint(s) rewritten")
 
 
+def run_tokenize(args) -> None:
+    result = tokenize_corpus(args.corpus, args.out, args.tokenizer, workers=args.workers, text_key=args.text_key,
+                             progress=sys.stderr.isatty())
+    encoded = result["text_bytes_encoded"]
+    speed = (f"{encoded / 1e6:.1f} MB of text at {encoded / 1e6 / result['seconds']:.1f} MB/s" if encoded
+             else "every shard was already there and is verified")
+    print(f"{args.out}: {result['documents']} documents, {result['tokens']} tokens in {len(result['shards'])} "
+          f"{result['dtype']} shard(s); {speed}")
+
+
 # ---- --version --------------------------------------------------------------------------------------
 FATBIN_MAGIC = 0xBA55ED50  # a CUDA fat binary inside a shared library: the device code of each architecture
 FATBIN_PTX, FATBIN_CUBIN = 1, 2
@@ -456,7 +486,7 @@ def version_report() -> str:
 
 
 # ---- the entry --------------------------------------------------------------------------------------
-RUNNERS = {"eval": run_eval, "generate": run_generate, "export": run_export,
+RUNNERS = {"eval": run_eval, "generate": run_generate, "export": run_export, "tokenize": run_tokenize,
            "convert-checkpoint": run_convert_checkpoint}
 
 
@@ -475,7 +505,7 @@ def dispatch(argv: list[str]) -> bool:
 
 
 def main(argv: list[str]) -> None:
-    """`moetrain eval|generate|export|convert-checkpoint ...`: a mistake is one line and exit code 2."""
+    """`moetrain eval|generate|export|tokenize|convert-checkpoint ...`: a mistake is one line and exit code 2."""
     logging.basicConfig(level=logging.WARNING, format="moetrain: warning: %(message)s")  # skipped checkpoints
     name, *arguments = argv
     args = _parsers()[name].parse_intermixed_args(arguments)

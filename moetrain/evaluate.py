@@ -12,9 +12,11 @@ Metrics, over every scored target (targets of -100 are not scored), as the train
   eval/loss            mean cross-entropy in nats
   eval/accuracy        fraction of targets whose largest logit is the target
   eval/perplexity      exp(eval/loss), language modelling only
-  eval/bits_per_byte   byte-level text only: the cross-entropy of the byte targets in bits, summed
-                       and divided by their number (the end-of-text token between documents is not
-                       a byte of the text, so it counts in neither sum), i.e. loss / ln 2 per byte.
+  eval/bits_per_byte   text (a run with a tokenizer) only: the total cross-entropy in nats of the
+                       targets that are text, over the total UTF-8 bytes of that text (each target
+                       token's bytes, Tokenizer.byte_lengths), divided by ln 2. Special tokens (the
+                       end-of-text token between documents) are not text: they count in neither sum.
+                       For the byte-level tokenizer every text token is one byte.
 """
 
 from __future__ import annotations
@@ -30,10 +32,9 @@ from torch import nn
 from torch.utils.data import DataLoader
 from tqdm import tqdm
 
-from moetrain.data.base import DataModule
-from moetrain.data.text import ByteTokenizer
+from moetrain.data.base import DataModule, unpack_batch
 from moetrain.quant import QuantPolicy, calibrate, expert_memory, quantize_model
-from moetrain.run import Run, RunError, build_data, is_byte_level
+from moetrain.run import Run, RunError, build_data
 
 IGNORE_INDEX = -100  # the trainer's: targets that are not scored
 PERPLEXITY_LOSS_CAP = 50.0  # exp() of a larger loss overflows to a useless number
@@ -41,10 +42,11 @@ PRECISIONS = ("auto", "bf16", "fp32")  # auto: bf16 autocast on CUDA, fp32 on a 
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, loader, task: str, byte_level: bool = False, max_batches: int = 0,
+def evaluate(model: nn.Module, loader, task: str, token_bytes: torch.Tensor | None = None, max_batches: int = 0,
              progress: bool = True, precision: str = "auto", desc: str = "eval") -> dict:
     """Metrics of `model` over `loader`'s (inputs, targets) batches (see the module doc); the first
-    max_batches only when > 0. The bar advances per batch and shows the running loss."""
+    max_batches only when > 0. token_bytes [V]: the UTF-8 bytes each token id stands for (0: not
+    text), which adds bits per byte. The bar advances per batch and shows the running loss."""
     if precision not in PRECISIONS:
         raise RunError(f"precision must be one of {'|'.join(PRECISIONS)}, got {precision!r}")
     device = next(model.parameters()).device
@@ -53,27 +55,27 @@ def evaluate(model: nn.Module, loader, task: str, byte_level: bool = False, max_
     total = len(loader) if hasattr(loader, "__len__") else None
     if max_batches and total is not None:
         total = min(total, max_batches)
-    loss_sum = byte_bits = 0.0
+    loss_sum = text_nats = 0.0
     correct = count = bytes_scored = 0
     was_training = model.training
     model.eval()
     batches = islice(loader, max_batches) if max_batches else loader
     bar = tqdm(batches, total=total, desc=desc, unit="batch", dynamic_ncols=True, disable=not progress)
     try:
-        for inputs, targets in bar:
-            inputs, targets = inputs.to(device), targets.to(device)
+        for batch in bar:
+            inputs, targets, arguments = unpack_batch(batch, device)
             with autocast():
-                logits = model(inputs)
+                logits = model(inputs, **arguments)
             logits_NC, targets_N = logits.float().flatten(0, -2), targets.flatten()
             scored_N = targets_N != IGNORE_INDEX
             losses_N = F.cross_entropy(logits_NC, targets_N, ignore_index=IGNORE_INDEX, reduction="none")
             loss_sum += float(losses_N[scored_N].double().sum())
             correct += int((logits_NC.argmax(dim=-1) == targets_N)[scored_N].sum())
             count += int(scored_N.sum())
-            if byte_level:
-                is_byte_N = scored_N & (targets_N < ByteTokenizer.eos_id)
-                byte_bits += float(losses_N[is_byte_N].double().sum()) / math.log(2)
-                bytes_scored += int(is_byte_N.sum())
+            if token_bytes is not None:
+                bytes_N = token_bytes.to(device)[targets_N.clamp(min=0)] * scored_N
+                text_nats += float(losses_N[bytes_N > 0].double().sum())
+                bytes_scored += int(bytes_N.sum())
             bar.set_postfix(loss=f"{loss_sum / max(count, 1):.4f}", refresh=False)
     finally:
         bar.close()
@@ -83,8 +85,8 @@ def evaluate(model: nn.Module, loader, task: str, byte_level: bool = False, max_
     metrics = {"eval/loss": loss_sum / count, "eval/accuracy": correct / count}
     if task == "language_modeling":
         metrics["eval/perplexity"] = math.exp(min(metrics["eval/loss"], PERPLEXITY_LOSS_CAP))
-    if byte_level and bytes_scored:
-        metrics["eval/bits_per_byte"] = byte_bits / bytes_scored
+    if token_bytes is not None and bytes_scored:
+        metrics["eval/bits_per_byte"] = text_nats / bytes_scored / math.log(2)
     return metrics
 
 
@@ -92,6 +94,11 @@ def _check_fits(run: Run, data: DataModule) -> None:
     """Other data must give the model the inputs it was built with (sequence length: at most it)."""
     if data.task != run.task:
         raise RunError(f"the data is for {data.task} but the run's model does {run.task}: pick data of its task")
+    ours, theirs = run.tokenizer, data.tokenizer
+    if ours is not None and theirs is not None and ours.sha256 != theirs.sha256:
+        raise RunError(f"the data is tokenized by {theirs.source} (sha256 {str(theirs.sha256)[:12]}...), not by the "
+                       f"run's tokenizer ({ours.source}): evaluate on data tokenized by the run's tokenizer "
+                       f"(the data config's tokenizer: {run.run_dir / 'tokenizer'})")
     model_keys = run.config.get("model", {})
     for key, built in run.model_inputs.items():
         given = data.model_inputs.get(key)
@@ -118,7 +125,6 @@ def evaluate_run(run: Run, data: dict | None = None, quant: str | QuantPolicy | 
     quantized routed experts (the run's model is untouched); a hot/cold policy measures expert use
     on `calibration_batches` training batches of the evaluated data. Adds expert_bytes, the routed
     expert weights' memory."""
-    data_config = run.config["data"] if data is None else data
     module = run.data if data is None else build_data(data, int(run.config.get("seed", 0)))
     _check_fits(run, module)
     model = run.model
@@ -138,6 +144,8 @@ def evaluate_run(run: Run, data: dict | None = None, quant: str | QuantPolicy | 
         quantize_model(model, policy, counts)
         metrics["expert_bytes"] = sum(row.bytes for row in expert_memory(model).values())
     loader = DataLoader(module.eval_set, batch_size=module.eval_batch_size, num_workers=module.num_workers)
-    metrics.update(evaluate(model, loader, module.task, byte_level=is_byte_level(data_config),
-                            max_batches=eval_batches, progress=progress, precision=precision))
+    tokenizer = module.tokenizer
+    token_bytes = torch.as_tensor(tokenizer.byte_lengths()) if tokenizer is not None else None
+    metrics.update(evaluate(model, loader, module.task, token_bytes=token_bytes, max_batches=eval_batches,
+                            progress=progress, precision=precision))
     return metrics

@@ -14,16 +14,16 @@ cache, so every token costs one forward pass over the window: fine for the model
 on a CPU, slow for long outputs of large ones.
 
 Draws use a CPU generator seeded by `seed`, so a seed gives the same tokens on every device as long
-as the logits agree. Text runs (data=text on .txt/.jsonl) take and give text through the
-byte-level tokenizer, stop at its end-of-text token, and stream whole UTF-8 characters; runs on
-token ids (token files, the synthetic language) take and give ids.
+as the logits agree. Text runs (data=text on text files or token shards) take and give text
+through the run's tokenizer (the byte-level one, or the tokenizer.json copied into the run
+directory), stop at its end-of-text token, and stream whole characters; runs on token ids without
+a tokenizer (token files, the synthetic language) take and give ids.
 
 Shape letters: B batch, T positions, V vocabulary.
 """
 
 from __future__ import annotations
 
-import codecs
 from collections.abc import Callable, Iterator, Sequence
 
 import torch
@@ -142,15 +142,16 @@ def generate(model: nn.Module, prompt_ids: Sequence[int], max_new_tokens: int, t
 
 # ---- from a run ----------------------------------------------------------------------------------
 def prompt_ids(run: Run, prompt: str | Sequence[int]) -> list[int]:
-    """A prompt as token ids: text through the run's byte-level tokenizer (an empty text starts a
-    new document with the end-of-text token), or ids as they are."""
+    """A prompt as token ids: text through the run's tokenizer, after the end-of-text token (the
+    prompt starts a new document, as every document after the first did in training), or ids as
+    they are."""
     if run.task != "language_modeling":
         raise GenerationError(f"the run at {run.run_dir} is a {run.task} run: generation needs a language-model run")
     tokenizer = run.tokenizer
     if isinstance(prompt, str):
         if tokenizer is None:
             raise GenerationError(
-                f"this run trained on token ids ({run.config['data']['_target_']}), not byte-level text: give the "
+                f"this run trained on token ids ({run.config['data']['_target_']}) without a tokenizer: give the "
                 "prompt as token ids (a list of integers)")
         return [tokenizer.eos_id] + tokenizer.encode(prompt)
     return [int(token) for token in prompt]
@@ -158,18 +159,25 @@ def prompt_ids(run: Run, prompt: str | Sequence[int]) -> list[int]:
 
 def stream_text(run: Run, prompt: str | Sequence[int], max_new_tokens: int = 100, temperature: float = 1.0,
                 top_k: int = 0, top_p: float = 1.0, seed: int | None = None) -> Iterator[str]:
-    """Yield the generated text piece by piece for printing: whole UTF-8 characters for a
-    byte-level run (stopping at end-of-text), each token id followed by a space for an id run."""
+    """Yield the generated text piece by piece for printing: whole characters for a run with a
+    tokenizer (stopping at end-of-text), each token id followed by a space for an id run."""
     ids = prompt_ids(run, prompt)
     tokenizer = run.tokenizer
     eos_id = tokenizer.eos_id if tokenizer is not None else None
-    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    generated: list[int] = []
+    shown = ""
     for token in stream_tokens(run.model, ids, max_new_tokens, temperature, top_k, top_p, seed, eos_id):
         if tokenizer is None:
             yield f"{token} "
-        elif token == eos_id:
+            continue
+        if token == eos_id:
             break
-        elif piece := decoder.decode(bytes([token])):
-            yield piece
-    if tokenizer is not None and (rest := decoder.decode(b"", final=True)):
-        yield rest
+        generated.append(token)
+        # The whole output decoded again: a token may end inside a character (byte-level BPE, bytes),
+        # which decodes as U+FFFD until the token that completes it comes.
+        text = tokenizer.decode(generated)
+        if not text.endswith("\ufffd") and len(text) > len(shown):
+            yield text[len(shown):]
+            shown = text
+    if tokenizer is not None and len(text := tokenizer.decode(generated)) > len(shown):
+        yield text[len(shown):]

@@ -12,7 +12,8 @@ Where everything comes from:
   when the run directory was later resumed with other settings (which rewrites .hydra/config.yaml);
 - the data module is rebuilt from that config (`data._target_`), because the data fixes the
   model's input and output sizes (vocabulary, sequence length, image size, classes) unless the
-  model config sets them, as the command does;
+  model config sets them, as the command does; a data tokenizer is read from the run's copy
+  (RUN/tokenizer/, which the command writes) rather than from where it was when the run started;
 - the model is built from `model._target_` with every MoE layer getting the run's saved routing
   (the gate node, moetrain.models.routing_settings.layer_kwargs), then the weights are loaded;
 - the checkpoint is read by moetrain.train.checkpoint (one-process runs: step_N.pt checked against
@@ -34,6 +35,7 @@ import random
 import re
 from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 
 import numpy as np
@@ -41,15 +43,15 @@ import torch
 from torch import nn
 
 from moetrain.data.base import DataModule
-from moetrain.data.text import SUFFIXES, ByteTokenizer
+from moetrain.data.tokenizer import TOKENIZER_FILE, Tokenizer, load_tokenizer
 from moetrain.models.routing_settings import layer_kwargs
 from moetrain.train import checkpoint
 
 log = logging.getLogger(__name__)
 
 _STEP = re.compile(r"^step_(\d+)(\.pt)?$")
-# The data builder whose text files are read with the byte-level tokenizer (moetrain/data/text.py).
-TEXT_DATA_TARGET = "moetrain.data.text.text"
+# A run's copy of its tokenizer's files (moetrain/data/tokenizer.py), written when it starts.
+TOKENIZER_DIR = "tokenizer"
 
 
 class RunError(ValueError):
@@ -78,20 +80,14 @@ class Run:
     def task(self) -> str:
         return self.data.task
 
-    @property
-    def tokenizer(self) -> ByteTokenizer | None:
-        """The byte-level tokenizer when the run trained on text read by it; None for token ids
+    @cached_property
+    def tokenizer(self) -> Tokenizer | None:
+        """The run's tokenizer: the copy in RUN/tokenizer/ (a tokenizer.json run), else its data's
+        (the byte-level tokenizer for text read by it); None for token ids without a tokenizer
         (token files, the synthetic language) and for image runs."""
-        return ByteTokenizer() if is_byte_level(self.config.get("data", {})) else None
-
-
-def is_byte_level(data_config: dict) -> bool:
-    """Whether a data config reads text through the byte-level tokenizer (data=text on .txt/.jsonl)."""
-    if data_config.get("_target_") != TEXT_DATA_TARGET or not data_config.get("path"):
-        return False
-    path = Path(data_config["path"]).expanduser()
-    files = [path] if path.is_file() else sorted(p for p in path.glob("*") if p.suffix in SUFFIXES)
-    return bool(files) and files[0].suffix in (".txt", ".jsonl")
+        if (self.run_dir / TOKENIZER_DIR / TOKENIZER_FILE).is_file():
+            return load_tokenizer(self.run_dir / TOKENIZER_DIR)
+        return self.data.tokenizer
 
 
 def locate(path: str, key: str):
@@ -234,7 +230,11 @@ def load_run(run_dir: str | Path, step: int | None = None, device: str | torch.d
     config = state.get("config")
     if not isinstance(config, dict) or "model" not in config or "data" not in config:
         raise RunError(f"{path} holds no run config (model and data): it was not written by the moetrain trainer")
-    data = build_data(config["data"], int(config.get("seed", 0)))
+    data_config = dict(config["data"])
+    recorded = Path(run_dir).expanduser() / TOKENIZER_DIR
+    if data_config.get("tokenizer") and (recorded / TOKENIZER_FILE).is_file():
+        data_config["tokenizer"] = str(recorded)  # the run's own copy: the original may have moved since
+    data = build_data(data_config, int(config.get("seed", 0)))
     model = build_model(config, data.model_inputs)
     try:
         if _SHARDED_WEIGHTS in state:

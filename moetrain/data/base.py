@@ -2,14 +2,16 @@
 
 A data preset (conf/data/*.yaml) names a builder with `_target_`; the builder returns a
 `DataModule`. The module says which task it serves, so one trainer fits both image
-classification and language modelling: batches are always `(inputs, targets)`, and the loss is
+classification and language modelling: batches are `(inputs, targets)`, and the loss is
 cross-entropy of the model's logits `[..., C]` against integer targets `[...]` (one class per
-image, or the next token per position).
+image, or the next token per position). A batch may carry a third element, a dict of keyword
+arguments for the model (a language model's `document_ids`), which the trainer passes on.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch.utils.data import Dataset
@@ -26,6 +28,9 @@ class DataModule:
     eval_batch_size: int
     num_workers: int
     model_inputs: dict  # model arguments the data fixes, e.g. image_size, in_channels, num_classes
+    # The text's tokenizer (moetrain.data.tokenizer), which a run directory records; None for data
+    # given as token ids without one, and for images.
+    tokenizer: Any = None
 
     def __post_init__(self):
         if self.task not in TASKS:
@@ -35,6 +40,13 @@ class DataModule:
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, int) or value < smallest:
                 raise ValueError(f"data.{key} must be an integer >= {smallest}, got {value!r}")
+
+
+def unpack_batch(batch, device: torch.device, non_blocking: bool = False) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """(inputs, targets, model keyword arguments) of a batch, on `device` (the contract above)."""
+    inputs, targets, *extra = batch
+    arguments = {key: value.to(device, non_blocking=non_blocking) for key, value in (extra[0] if extra else {}).items()}
+    return inputs.to(device, non_blocking=non_blocking), targets.to(device, non_blocking=non_blocking), arguments
 
 
 class SeededTransform(Dataset):

@@ -1,14 +1,24 @@
-"""Language-modelling data: a local text corpus or token files, and a learnable synthetic task.
+"""Language-modelling data: a local text corpus, token files or token shards, and a learnable synthetic task.
 
 `text(path=...)` reads one file or every supported file of a directory (sorted by name):
-  *.txt     one document per file, encoded by the byte-level tokenizer (UTF-8 bytes 0..255)
-  *.jsonl   one document per line, the string under `text_key`
-  *.npy     a 1-D array of token ids, already tokenized (vocab_size must be given)
-  *.bin     raw token ids of `token_dtype` (uint16 as written by nanoGPT-style preprocessing)
-Documents are joined with the end-of-text token (256) into one stream that is packed into
-fixed-length sequences: inputs are seq_len tokens, targets the same tokens shifted by one. The
-last `eval_fraction` of the stream (or the corpus at `eval_path`) is the validation set, whose
-cross-entropy gives the validation perplexity the trainer reports.
+  *.txt       one document per file
+  *.jsonl     one document per line, the string under `text_key` (gzip-compressed: *.jsonl.gz)
+  *.npy       a 1-D array of token ids, already tokenized (vocab_size must be given)
+  *.bin       raw token ids of `token_dtype` (uint16 as written by nanoGPT-style preprocessing)
+or a directory of token shards written by `moetrain tokenize` (moetrain/data/shards.py), which
+are memory-mapped and never read into memory whole. Text is encoded in memory by `tokenizer` (a
+tokenizer.json or a directory holding one, moetrain/data/tokenizer.py; null: the byte-level
+tokenizer, UTF-8 bytes 0..255 and end-of-text 256); a corpus larger than memory is tokenized once
+into shards instead. Shards are read with the tokenizer that wrote them (copied into the shard
+directory); a `tokenizer` given with them must be that one (the same SHA-256).
+
+Documents are joined with the end-of-text token into one stream that is packed into fixed-length
+sequences: inputs are seq_len tokens, targets the same tokens shifted by one. The last
+`eval_fraction` of the stream (or the corpus at `eval_path`) is the validation set, whose
+cross-entropy gives the validation perplexity the trainer reports. With `document_mask`, each
+item also carries the document of every input position ({"document_ids": [seq_len]}, counted
+from 0 within the window; a document's end-of-text token belongs to it), and the language model
+keeps attention inside each document (moetrain/models/layers.py).
 
 `synthetic_lm()` draws sequences from a random sparse Markov chain (each token has `branching`
 equally likely successors), so the best achievable loss is exactly ln(branching): a smoke test
@@ -17,7 +27,6 @@ can check that a model learns, not only that the loss moves.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import numpy as np
@@ -25,29 +34,22 @@ import torch
 from torch.utils.data import Dataset, TensorDataset
 
 from moetrain.data.base import DataModule
+from moetrain.data.corpus import TEXT_SUFFIXES, documents, suffix
+from moetrain.data.shards import is_shard_directory, open_shards
+from moetrain.data.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
 
-SUFFIXES = (".txt", ".jsonl", ".npy", ".bin")
+SUFFIXES = (".txt", ".jsonl", ".jsonl.gz", ".npy", ".bin")
 TOKEN_DTYPES = ("uint16", "uint32", "int32", "int64")
-
-
-class ByteTokenizer:
-    """UTF-8 bytes as tokens 0..255, plus one end-of-text token (256) between documents."""
-
-    eos_id = 256
-    vocab_size = 257
-
-    def encode(self, text: str) -> list[int]:
-        return list(text.encode("utf-8"))
-
-    def decode(self, ids) -> str:
-        return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
+ENCODE_BATCH = 1024  # documents per call of the batch encoder
 
 
 class PackedSequences(Dataset):
-    """Non-overlapping windows of a token stream: item i is (tokens[i*L : i*L+L], the next L)."""
+    """Non-overlapping windows of a token stream: item i is (tokens[i*L : i*L+L], the next L), and
+    with document_ends (the stream position after each document's end-of-text token, ascending)
+    also {"document_ids": [L]} of the inputs."""
 
-    def __init__(self, tokens: np.ndarray | torch.Tensor, seq_len: int):
-        self.tokens, self.seq_len = tokens, seq_len
+    def __init__(self, tokens, seq_len: int, document_ends: np.ndarray | None = None):
+        self.tokens, self.seq_len, self.document_ends = tokens, seq_len, document_ends
         self.count = max((len(tokens) - 1) // seq_len, 0)
 
     def __len__(self) -> int:
@@ -58,51 +60,39 @@ class PackedSequences(Dataset):
             raise IndexError(f"index {index} out of range for {self.count} sequences")
         start = index * self.seq_len
         window = torch.as_tensor(np.asarray(self.tokens[start : start + self.seq_len + 1], dtype=np.int64))
-        return window[:-1], window[1:]
+        inputs, targets = window[:-1], window[1:]
+        if self.document_ends is None:
+            return inputs, targets
+        # A position belongs to the first document that ends after it.
+        documents_T = np.searchsorted(self.document_ends, np.arange(start, start + self.seq_len), side="right")
+        return inputs, targets, {"document_ids": torch.as_tensor(documents_T - documents_T[0])}
 
 
-def _files(path: Path) -> list[Path]:
+def corpus_files(path: Path) -> list[Path]:
+    """The supported files of a corpus (a file, or a directory's files sorted by name)."""
     if path.is_file():
         files = [path]
     elif path.is_dir():
-        files = sorted(p for p in path.iterdir() if p.suffix in SUFFIXES)
+        files = sorted(p for p in path.iterdir() if suffix(p) in SUFFIXES)
     else:
         raise FileNotFoundError(f"path={str(path)!r} does not exist")
-    if not files or any(p.suffix not in SUFFIXES for p in files):
+    if not files or any(suffix(p) not in SUFFIXES for p in files):
         raise ValueError(f"path={str(path)!r} holds no supported file; supported suffixes: {SUFFIXES}")
-    kinds = {"tokens" if p.suffix in (".npy", ".bin") else "text" for p in files}
+    kinds = {"text" if suffix(p) in TEXT_SUFFIXES else "tokens" for p in files}
     if len(kinds) > 1:
         raise ValueError(f"path={str(path)!r} mixes text (.txt/.jsonl) and token (.npy/.bin) files; use one kind")
     return files
 
 
-def _decode_utf8(data: bytes, file: Path, line_offset: int = 0) -> str:
-    """`data` as UTF-8, or a ValueError naming the file, the line and the byte that is not UTF-8."""
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError as error:
-        line = line_offset + data.count(b"\n", 0, error.start) + 1
-        raise ValueError(
-            f"{file}:{line}: not UTF-8 text (byte 0x{data[error.start]:02x} at offset {error.start}): "
-            "convert the file to UTF-8 (e.g. iconv -t UTF-8), or tokenize it yourself into .npy/.bin token ids"
-        ) from None
-
-
-def _read_jsonl(file: Path, text_key: str, tokenizer: ByteTokenizer) -> list[int]:
+def encode_documents(texts: list[str], tokenizer: Tokenizer) -> tuple[list[int], list[int]]:
+    """(ids, document lengths): each text's ids followed by the end-of-text token."""
     ids: list[int] = []
-    with open(file, "rb") as handle:
-        for number, raw in enumerate(handle, 1):
-            line = _decode_utf8(raw, file, number - 1)
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as error:  # its line number counts within this one line
-                raise ValueError(f"{file}:{number}: invalid JSON at column {error.colno}: {error.msg}") from None
-            if not isinstance(record, dict) or not isinstance(record.get(text_key), str):
-                raise ValueError(f"{file}:{number}: expected a JSON object with a string under text_key={text_key!r}")
-            ids += tokenizer.encode(record[text_key]) + [tokenizer.eos_id]
-    return ids
+    lengths: list[int] = []
+    for encoded in tokenizer.encode_batch(texts):
+        ids += encoded
+        ids.append(tokenizer.eos_id)
+        lengths.append(len(encoded) + 1)
+    return ids, lengths
 
 
 def _check_token_ids(tokens: np.ndarray, file: Path, vocab_size: int | None) -> None:
@@ -122,15 +112,14 @@ def _check_token_ids(tokens: np.ndarray, file: Path, vocab_size: int | None) -> 
                          f"(at least {largest + 1})")
 
 
-def read_corpus(path: str | Path, text_key: str = "text", token_dtype: str = "uint16",
-                vocab_size: int | None = None) -> np.ndarray:
-    """The token stream of a file or directory (see the module doc). Errors name the file (and the
-    line, for text); token files are checked against vocab_size when it is given."""
+def _read_stream(path: Path, text_key: str, token_dtype: str, vocab_size: int | None,
+                 tokenizer: Tokenizer) -> tuple[np.ndarray, np.ndarray | None]:
+    """(token stream, document ends or None for token files) of a corpus of files."""
     if token_dtype not in TOKEN_DTYPES:
         raise ValueError(f"token_dtype={token_dtype!r}: must be one of {TOKEN_DTYPES}")
-    tokenizer = ByteTokenizer()
     pieces: list[np.ndarray] = []
-    for file in _files(Path(path)):
+    lengths: list[int] = []
+    for file in corpus_files(path):
         if file.suffix == ".npy":
             try:
                 array = np.load(file, mmap_mode="r")
@@ -148,13 +137,81 @@ def read_corpus(path: str | Path, text_key: str = "text", token_dtype: str = "ui
             array = np.memmap(file, dtype=token_dtype, mode="r") if file.stat().st_size else np.zeros(0, token_dtype)
             _check_token_ids(array, file, vocab_size)
             pieces.append(array)
-        elif file.suffix == ".txt":
-            text = _decode_utf8(file.read_bytes(), file)
-            pieces.append(np.array(tokenizer.encode(text) + [tokenizer.eos_id], dtype=np.int32))
         else:
-            pieces.append(np.array(_read_jsonl(file, text_key, tokenizer), dtype=np.int32))
+            batch: list[str] = []
+            for document in documents(file, text_key):
+                batch.append(document)
+                if len(batch) == ENCODE_BATCH:
+                    ids, counts = encode_documents(batch, tokenizer)
+                    pieces.append(np.array(ids, dtype=np.int32))
+                    lengths += counts
+                    batch = []
+            if batch:
+                ids, counts = encode_documents(batch, tokenizer)
+                pieces.append(np.array(ids, dtype=np.int32))
+                lengths += counts
     # One file stays memory-mapped; several are joined in memory.
-    return pieces[0] if len(pieces) == 1 else np.concatenate(pieces)
+    tokens = pieces[0] if len(pieces) == 1 else np.concatenate(pieces)
+    text = suffix(corpus_files(path)[0]) in TEXT_SUFFIXES
+    return tokens, np.cumsum(np.array(lengths, dtype=np.int64)) if text else None
+
+
+class _Corpus:
+    """A corpus read for training: its token stream, document ends, largest id and tokenizer."""
+
+    def __init__(self, path: str, text_key: str, token_dtype: str, vocab_size: int | None,
+                 tokenizer: Tokenizer | None, tokenizer_path: str | None):
+        if is_shard_directory(Path(path)):
+            shards = open_shards(Path(path))
+            if tokenizer is not None and tokenizer.sha256 != shards.tokenizer_sha256:
+                raise ValueError(
+                    f"tokenizer={tokenizer_path!r} ({tokenizer.source}, sha256 {str(tokenizer.sha256)[:12]}) is not the "
+                    "tokenizer that wrote "
+                    f"the shards at path={path!r} (sha256 {shards.tokenizer_sha256[:12]}...): drop tokenizer= to use "
+                    f"theirs, or tokenize the corpus again with it (moetrain tokenize CORPUS OUT --tokenizer "
+                    f"{tokenizer_path})")
+            self.tokens, self.shards = shards.tokens, shards
+            self.tokenizer, self.largest = shards.tokenizer, shards.max_id
+            self.vocab_size = _vocabulary(vocab_size, self.tokenizer)
+            return
+        files = corpus_files(Path(path))
+        self.shards = None
+        if suffix(files[0]) in TEXT_SUFFIXES:
+            self.tokenizer = tokenizer or ByteTokenizer()
+        elif vocab_size is None and tokenizer is None:
+            raise ValueError("vocab_size=None: token files (.npy/.bin) need vocab_size, which the tokenizer that wrote "
+                             "them knows (or give that tokenizer: tokenizer=PATH)")
+        else:
+            self.tokenizer = tokenizer
+        self.vocab_size = _vocabulary(vocab_size, self.tokenizer)
+        self.tokens, self._document_ends = _read_stream(Path(path), text_key, token_dtype, self.vocab_size,
+                                                        self.tokenizer or ByteTokenizer())
+        self.largest = int(self.tokens.max()) if len(self.tokens) else -1
+
+    @property
+    def document_ends(self) -> np.ndarray | None:
+        """The stream position after each document; None for token files (read from shards only
+        when asked)."""
+        return self.shards.document_ends if self.shards is not None else self._document_ends
+
+
+def _vocabulary(vocab_size: int | None, tokenizer: Tokenizer | None) -> int:
+    """The vocabulary the model gets: vocab_size when given, at least the tokenizer's, else the tokenizer's."""
+    if tokenizer is None:
+        return vocab_size
+    if vocab_size is not None and vocab_size < tokenizer.vocab_size:
+        raise ValueError(f"vocab_size={vocab_size} is smaller than the tokenizer's vocabulary ({tokenizer.vocab_size} "
+                         f"ids, {tokenizer.source}): set vocab_size to at least {tokenizer.vocab_size}, or to null")
+    return vocab_size or tokenizer.vocab_size
+
+
+def _split_ends(document_ends: np.ndarray | None, start: int, stop: int) -> np.ndarray | None:
+    """Document ends of the stream's [start, stop) part, counted from start (the part's last,
+    possibly cut, document ends where the part does)."""
+    if document_ends is None:
+        return None
+    inside = document_ends[(document_ends > start) & (document_ends < stop)] - start
+    return np.append(inside, stop - start)
 
 
 def text(
@@ -168,35 +225,54 @@ def text(
     token_dtype: str = "uint16",
     vocab_size: int | None = None,
     num_workers: int = 0,
+    tokenizer: str | None = None,
+    document_mask: bool = False,
 ) -> DataModule:
     """A packed language-modelling corpus (see the module doc). vocab_size: required for token
-    files (.npy/.bin), the byte tokenizer's 257 for text."""
+    files (.npy/.bin) without a tokenizer; text and shards take their tokenizer's."""
     if path is None:
         raise ValueError("path=None: give the corpus, a file or a directory (path=FILE_OR_DIRECTORY)")
     if seq_len < 1:
         raise ValueError(f"seq_len={seq_len}: must be >= 1")
-    if _files(Path(path))[0].suffix in (".txt", ".jsonl"):
-        vocab_size = vocab_size or ByteTokenizer.vocab_size
-    elif vocab_size is None:
-        raise ValueError("vocab_size=None: token files (.npy/.bin) need vocab_size, which the tokenizer that wrote them knows")
-    tokens = read_corpus(path, text_key, token_dtype, vocab_size)
+    given = load_tokenizer(tokenizer) if tokenizer is not None else None
+    corpus = _Corpus(path, text_key, token_dtype, vocab_size, given, tokenizer)
+    vocab_size = corpus.vocab_size
+    tokens = corpus.tokens
+    held_out = None
     if eval_path is not None:
-        train_tokens, eval_tokens = tokens, read_corpus(eval_path, text_key, token_dtype, vocab_size)
+        held_out = _Corpus(eval_path, text_key, token_dtype, vocab_size, corpus.tokenizer, tokenizer or path)
+        if held_out.tokenizer is not None and held_out.tokenizer.sha256 != getattr(corpus.tokenizer, "sha256", None):
+            raise ValueError(f"eval_path={eval_path!r} holds shards of another tokenizer than path={path!r}: tokenize "
+                             "both with the same one")
+        train_tokens, eval_tokens = tokens, held_out.tokens
+        largest = max(corpus.largest, held_out.largest)
     else:
         if not 0 < eval_fraction < 1:
             raise ValueError(f"eval_fraction={eval_fraction}: must be in (0, 1) when eval_path=None")
         split = max(len(tokens) - max(int(len(tokens) * eval_fraction), seq_len + 1), 0)
         train_tokens, eval_tokens = tokens[:split], tokens[split:]
-    train_set, eval_set = PackedSequences(train_tokens, seq_len), PackedSequences(eval_tokens, seq_len)
+        largest = corpus.largest
+    train_ends = eval_ends = None
+    if document_mask:
+        ends = corpus.document_ends
+        if ends is None or (held_out is not None and held_out.document_ends is None):
+            raise ValueError("document_mask=True needs document boundaries, which token files (.npy/.bin) do not have: "
+                             "tokenize the text with moetrain tokenize and train on the shards, or set "
+                             "document_mask=False")
+        if held_out is not None:
+            train_ends, eval_ends = ends, held_out.document_ends
+        else:
+            train_ends, eval_ends = _split_ends(ends, 0, split), _split_ends(ends, split, len(tokens))
+    train_set = PackedSequences(train_tokens, seq_len, train_ends)
+    eval_set = PackedSequences(eval_tokens, seq_len, eval_ends)
     if len(train_set) == 0 or len(eval_set) == 0:
         raise ValueError(
             f"path={str(path)!r} has {len(tokens)} tokens: too few for one training and one validation sequence "
             f"of seq_len={seq_len}; lower seq_len or add text"
         )
-    largest = int(max(train_tokens.max(), eval_tokens.max()))  # text: bytes and end-of-text, up to 256
     if largest >= vocab_size:
-        raise ValueError(f"token id {largest} in path={str(path)!r} is >= vocab_size={vocab_size}: the byte "
-                         f"tokenizer needs vocab_size >= {ByteTokenizer.vocab_size} (or vocab_size=None)")
+        raise ValueError(f"token id {largest} in path={str(path)!r} is >= vocab_size={vocab_size}: the tokenizer "
+                         f"needs vocab_size >= {largest + 1} (or vocab_size=None: the tokenizer's own)")
     return DataModule(
         task="language_modeling",
         train_set=train_set,
@@ -205,6 +281,7 @@ def text(
         eval_batch_size=eval_batch_size,
         num_workers=num_workers,
         model_inputs={"vocab_size": vocab_size, "max_seq_len": seq_len},
+        tokenizer=corpus.tokenizer,
     )
 
 

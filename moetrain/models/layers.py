@@ -1,7 +1,14 @@
 """Transformer building blocks shared by the image classifier and the decoder language model.
 
 Shape letters: B batch, T sequence (tokens or patches), D model width, N attention heads,
-K key/value heads (grouped-query attention: N is a multiple of K), Hd head width, R rotary width.
+K key/value heads (grouped-query attention: N is a multiple of K), Hd head width, R rotary width,
+S key positions.
+
+Packed documents (a language model's `document_ids`): `document_mask` lets a query see only the
+keys of its own document (and, causal, not after itself). On CUDA it is a flex-attention BlockMask
+(torch.nn.attention.flex_attention, compiled once: blocks no document reaches are skipped); on a
+CPU, or with attention dropout, a boolean [B, 1, T, S] mask for scaled_dot_product_attention, the
+reference the flex path is tested against.
 
 A block is pre-norm: x + attention(norm(x)), then x + ffn(norm(x)). The feed-forward network is an
 MoELayer (routed experts, optionally shared experts) or a dense FFN; which one is decided by the
@@ -121,6 +128,71 @@ def yarn_scaling(rope_scaling: dict, rotary_dim: int, theta: float):
     return scale_inverse_frequency, table_factor, softmax_factor
 
 
+def document_positions(document_ids_BT: torch.Tensor) -> torch.Tensor:
+    """[B, T] int64: each position's index within its document (documents are contiguous runs of
+    one id), so that rotary positions restart at 0 where a document starts."""
+    T = document_ids_BT.shape[1]
+    index_BT = torch.arange(T, device=document_ids_BT.device).expand_as(document_ids_BT)
+    starts_BT = torch.ones_like(document_ids_BT, dtype=torch.bool)
+    starts_BT[:, 1:] = document_ids_BT[:, 1:] != document_ids_BT[:, :-1]
+    first_BT = torch.where(starts_BT, index_BT, torch.zeros_like(index_BT)).cummax(dim=1).values
+    return index_BT - first_BT
+
+
+_compiled_flex_attention = None
+
+
+def _flex_attention():
+    """flex_attention, compiled on first use (uncompiled it materialises every score)."""
+    global _compiled_flex_attention
+    if _compiled_flex_attention is None:
+        from torch.nn.attention.flex_attention import flex_attention
+
+        _compiled_flex_attention = torch.compile(flex_attention, dynamic=False)
+    return _compiled_flex_attention
+
+
+def _block_mask(document_ids_BT: torch.Tensor, causal: bool):
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    B, T = document_ids_BT.shape
+
+    def same_document(b, h, q_index, kv_index):
+        inside = document_ids_BT[b, q_index] == document_ids_BT[b, kv_index]
+        return inside & (q_index >= kv_index) if causal else inside
+
+    return create_block_mask(same_document, B, None, T, T, device=document_ids_BT.device)
+
+
+def document_mask(document_ids_BT: torch.Tensor, causal: bool = True, flex: bool | None = None):
+    """The attention mask that keeps each query inside its document (module doc): a flex-attention
+    BlockMask when flex (default: on CUDA), else a boolean [B, 1, T, S] mask (True: attend)."""
+    T = document_ids_BT.shape[1]
+    if flex is None:
+        flex = document_ids_BT.is_cuda
+    if flex:
+        # Built eagerly, once per forward, also inside a compiled model. (torch.compiler.disable is
+        # applied here, not as a decorator: it imports dynamo, which every command would then load.)
+        return torch.compiler.disable(_block_mask)(document_ids_BT, causal)
+    mask_BTS = document_ids_BT[:, :, None] == document_ids_BT[:, None, :]
+    if causal:
+        mask_BTS &= torch.ones(T, T, dtype=torch.bool, device=document_ids_BT.device).tril()
+    return mask_BTS[:, None]
+
+
+def attend(q_BNTHd, k_BKSHd, v_BKSHd, mask=None, causal: bool = False, dropout: float = 0.0,
+           scale: float | None = None) -> torch.Tensor:
+    """softmax(q k^T * scale) v over the keys `mask` allows (None: all, or the causal ones); mask
+    as document_mask makes it. Grouped-query heads when K < N."""
+    gqa = k_BKSHd.shape[1] != q_BNTHd.shape[1]
+    if mask is not None and not isinstance(mask, torch.Tensor):  # a flex-attention BlockMask
+        if dropout:
+            raise ValueError("flex attention has no dropout: build the mask with document_mask(..., flex=False)")
+        return _flex_attention()(q_BNTHd, k_BKSHd, v_BKSHd, block_mask=mask, scale=scale, enable_gqa=gqa)
+    return F.scaled_dot_product_attention(q_BNTHd, k_BKSHd, v_BKSHd, attn_mask=mask, dropout_p=dropout,
+                                          is_causal=causal and mask is None, scale=scale, enable_gqa=gqa)
+
+
 def apply_rotary(x_BNTHd: torch.Tensor, cos_THd: torch.Tensor, sin_THd: torch.Tensor) -> torch.Tensor:
     half = x_BNTHd.shape[-1] // 2
     rotated = torch.cat([-x_BNTHd[..., half:], x_BNTHd[..., :half]], dim=-1)
@@ -160,11 +232,14 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(head_dim, eps=norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(head_dim, eps=norm_eps) if qk_norm else None
 
-    def forward(self, x_BTD: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-        return self.o_proj(self.mix(x_BTD, rotary))
+    def forward(self, x_BTD: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
+                mask=None) -> torch.Tensor:
+        return self.o_proj(self.mix(x_BTD, rotary, mask))
 
-    def mix(self, x_BTD: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-        """Attention before the output projection -> [B, T, num_heads * head_dim]."""
+    def mix(self, x_BTD: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
+            mask=None) -> torch.Tensor:
+        """Attention before the output projection -> [B, T, num_heads * head_dim]. rotary: cos/sin
+        [T, Hd], or [B, 1, T, Hd] for per-sequence positions; mask: as document_mask makes it."""
         B, T, _ = x_BTD.shape
         q_BNTHd = self.q_proj(x_BTD).view(B, T, self.num_heads, self.head_dim).transpose(1, 2)
         k_BKTHd = self.k_proj(x_BTD).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
@@ -172,16 +247,9 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q_BNTHd, k_BKTHd = self.q_norm(q_BNTHd), self.k_norm(k_BKTHd)
         if rotary is not None:
-            cos_THd, sin_THd = rotary[0][:T], rotary[1][:T]
+            cos_THd, sin_THd = rotary
             q_BNTHd, k_BKTHd = apply_rotary(q_BNTHd, cos_THd, sin_THd), apply_rotary(k_BKTHd, cos_THd, sin_THd)
-        o_BNTHd = F.scaled_dot_product_attention(
-            q_BNTHd,
-            k_BKTHd,
-            v_BKTHd,
-            dropout_p=self.dropout if self.training else 0.0,
-            is_causal=self.causal,
-            enable_gqa=self.num_kv_heads != self.num_heads,
-        )
+        o_BNTHd = attend(q_BNTHd, k_BKTHd, v_BKTHd, mask, self.causal, self.dropout if self.training else 0.0)
         return o_BNTHd.transpose(1, 2).reshape(B, T, -1)
 
 
@@ -230,10 +298,10 @@ class LatentAttention(nn.Module):
         # "rotate half" tables apply.
         return x.unflatten(-1, (-1, 2)).transpose(-1, -2).flatten(-2)
 
-    def forward(self, x_BTD: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        return self.o_proj(self.mix(x_BTD, rotary))
+    def forward(self, x_BTD: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor], mask=None) -> torch.Tensor:
+        return self.o_proj(self.mix(x_BTD, rotary, mask))
 
-    def mix(self, x_BTD: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    def mix(self, x_BTD: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor], mask=None) -> torch.Tensor:
         """Attention before the output projection -> [B, T, num_heads * v_head_dim]."""
         B, T, _ = x_BTD.shape
         if self.q_lora_rank is None:
@@ -247,19 +315,13 @@ class LatentAttention(nn.Module):
         kv_BNTHd = self.kv_b_proj(self.kv_a_norm(latent_BTL)).view(B, T, self.num_heads, -1).transpose(1, 2)
         k_nope, v_BNTHd = kv_BNTHd.split([self.nope_dim, self.v_head_dim], dim=-1)
 
-        cos_TR, sin_TR = rotary[0][:T], rotary[1][:T]
+        cos_TR, sin_TR = rotary
         q_rope = apply_rotary(self._deinterleave(q_rope), cos_TR, sin_TR)
         k_rope_B1TR = apply_rotary(self._deinterleave(k_rope_BTR.unsqueeze(1)), cos_TR, sin_TR)
         q_BNTHd = torch.cat([q_nope, q_rope], dim=-1)
         k_BNTHd = torch.cat([k_nope, k_rope_B1TR.expand(-1, self.num_heads, -1, -1)], dim=-1)
-        o_BNTHd = F.scaled_dot_product_attention(
-            q_BNTHd,
-            k_BNTHd,
-            v_BNTHd,
-            dropout_p=self.dropout if self.training else 0.0,
-            is_causal=True,
-            scale=self.softmax_scale,
-        )
+        o_BNTHd = attend(q_BNTHd, k_BNTHd, v_BNTHd, mask, True, self.dropout if self.training else 0.0,
+                         self.softmax_scale)
         return o_BNTHd.transpose(1, 2).reshape(B, T, -1)
 
 
@@ -282,30 +344,34 @@ class TransformerBlock(recompute.CheckpointedBlock):
     def is_moe(self) -> bool:
         return isinstance(self.ffn, MoELayer)
 
-    def forward(self, x_BTD: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    def forward(self, x_BTD: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
+                mask=None) -> torch.Tensor:
+        """mask: the attention mask of packed documents (document_mask), or None."""
         if self.activation_checkpointing == "full" and torch.is_grad_enabled():
-            return recompute.checkpoint_block(self._forward, x_BTD, rotary)
-        return self._forward(x_BTD, rotary)
+            return recompute.checkpoint_block(self._forward, x_BTD, rotary, mask)
+        return self._forward(x_BTD, rotary, mask)
 
-    def _attention(self, x_BTD: torch.Tensor, rotary) -> torch.Tensor:
-        return self.attn(self.attn_norm(x_BTD), rotary)
+    def _attention(self, x_BTD: torch.Tensor, rotary, mask=None) -> torch.Tensor:
+        if mask is None:  # the call an attention module without a mask argument takes
+            return self.attn(self.attn_norm(x_BTD), rotary)
+        return self.attn(self.attn_norm(x_BTD), rotary, mask)
 
-    def _mix(self, x_BTD: torch.Tensor, rotary) -> torch.Tensor:
-        return self.attn.mix(self.attn_norm(x_BTD), rotary)
+    def _mix(self, x_BTD: torch.Tensor, rotary, mask=None) -> torch.Tensor:
+        return self.attn.mix(self.attn_norm(x_BTD), rotary, mask)
 
-    def _recomputed_attention(self, x_BTD: torch.Tensor, rotary) -> torch.Tensor:
+    def _recomputed_attention(self, x_BTD: torch.Tensor, rotary, mask=None) -> torch.Tensor:
         """Attention whose activations are recomputed in backward, all but the output projection's
         (its input is kept: the GEMM would be recomputed for an output the backward never reads).
         An attention module without mix/o_proj is recomputed whole."""
         if isinstance(self.attn, (Attention, LatentAttention)):
-            return self.attn.o_proj(recompute.checkpoint_call(self._mix, x_BTD, rotary))
-        return recompute.checkpoint_call(self._attention, x_BTD, rotary)
+            return self.attn.o_proj(recompute.checkpoint_call(self._mix, x_BTD, rotary, mask))
+        return recompute.checkpoint_call(self._attention, x_BTD, rotary, mask)
 
-    def _forward(self, x_BTD: torch.Tensor, rotary) -> torch.Tensor:
+    def _forward(self, x_BTD: torch.Tensor, rotary, mask=None) -> torch.Tensor:
         if self.activation_checkpointing == "selective" and torch.is_grad_enabled():
-            attended_BTD = self._recomputed_attention(x_BTD, rotary)
+            attended_BTD = self._recomputed_attention(x_BTD, rotary, mask)
         else:
-            attended_BTD = self._attention(x_BTD, rotary)
+            attended_BTD = self._attention(x_BTD, rotary, mask)
         x_BTD = x_BTD + self.dropout(attended_BTD)
         return x_BTD + self.dropout(self.ffn(self.ffn_norm(x_BTD)))
 

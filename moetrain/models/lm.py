@@ -8,6 +8,13 @@ group of `moe_every` (moe_every=1: all of them). Attention is standard multi-hea
 optional grouped-query heads (num_kv_heads) and q/k norms (Qwen3), or multi-head latent attention
 (attention="mla", DeepSeek-V3 / Kimi-K2).
 
+Packed documents: with `document_ids` [B, T] (the document of each position, as data=text
+data.document_mask=true gives them), a position attends only to earlier positions of its own
+document, and rotary positions restart at 0 where each document starts, so each document's
+logits are those of that document run alone, position for position (rotary attention depends on
+relative positions only, so positions that ran on would change them by rounding alone; restarting
+gives every document exactly the tables it gets alone, as Hugging Face's per-document position_ids do).
+
 Shape letters as in moetrain/models/layers.py, plus V vocabulary.
 """
 
@@ -26,6 +33,8 @@ from moetrain.models.layers import (
     check_moe_kwargs,
     init_normal_,
     make_norm,
+    document_mask,
+    document_positions,
     moe_block_indices,
     rotary_tables,
     yarn_scaling,
@@ -152,14 +161,26 @@ class MoETransformerLM(nn.Module):
         trainer reads it to report MFU without knowing the model class."""
         return flops_per_token(self, seq_len)
 
-    def forward(self, tokens_BT: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens_BT: torch.Tensor, document_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits [B, T, V]; document_ids [B, T]: keep attention and positions inside each document."""
         T = tokens_BT.shape[1]
         if T > self.config.max_seq_len:
             raise ValueError(f"sequence length {T} exceeds max_seq_len={self.config.max_seq_len}")
-        rotary = (self.rotary_cos[:T], self.rotary_sin[:T])
+        mask = None
+        if document_ids is None:
+            rotary = (self.rotary_cos[:T], self.rotary_sin[:T])
+        else:
+            if document_ids.shape != tokens_BT.shape:
+                raise ValueError(f"document_ids {tuple(document_ids.shape)} must have the tokens' shape "
+                                 f"{tuple(tokens_BT.shape)}")
+            positions_B1T = document_positions(document_ids)[:, None]
+            rotary = (self.rotary_cos[positions_B1T], self.rotary_sin[positions_B1T])
+            # Attention dropout needs the boolean mask: flex attention has none.
+            dropout = self.training and self.config.dropout > 0
+            mask = document_mask(document_ids, causal=True, flex=document_ids.is_cuda and not dropout)
         x_BTD = self.dropout(self.embed(tokens_BT))
         for block in self.blocks:
-            x_BTD = block(x_BTD, rotary)
+            x_BTD = block(x_BTD, rotary) if mask is None else block(x_BTD, rotary, mask)
         return self.lm_head(self.norm(x_BTD))
 
 

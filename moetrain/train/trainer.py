@@ -37,7 +37,7 @@ from tqdm import tqdm
 from moetrain.config import (
     Device, FP8Wgrad, LoggerConfig, NonFinite, OptimConfig, ParamDtype, Precision, SettingError, TrainerConfig,
 )
-from moetrain.data import DataModule
+from moetrain.data import DataModule, unpack_batch
 from moetrain.moe import MoELayer, moe_layers, set_activation_checkpointing, set_parameter_dtype, update_router_biases
 from moetrain.precision.fp8_matmul import fp8_supported
 from moetrain.train import checkpoint
@@ -321,13 +321,13 @@ class Trainer:
         # A bar of its own, so the run's display moves while it evaluates (it is removed when done).
         bar = tqdm(total=self._eval_batches(), desc="eval", unit="batch", leave=False, dynamic_ncols=True,
                    disable=not (self.cfg.progress_bar and self.processes.is_main))
-        for index, (inputs, targets) in enumerate(self.eval_loader):
+        for index, batch in enumerate(self.eval_loader):
             if self.cfg.eval_batches and index == self.cfg.eval_batches:
                 break
             bar.update(1)
-            inputs, targets = inputs.to(self.device), targets.to(self.device)
+            inputs, targets, arguments = unpack_batch(batch, self.device)
             with self.autocast():
-                logits = self.forward(inputs)
+                logits = self.forward(inputs, **arguments)
             scored = targets != IGNORE_INDEX
             n = int(scored.sum())
             loss_sum += float(task_loss(logits, targets)) * n
@@ -347,11 +347,9 @@ class Trainer:
         loss_total = torch.zeros((), device=self.device)
         aux_total = torch.zeros((), device=self.device)
         for _ in range(accum):
-            inputs, targets = next(self.stream)
-            inputs = inputs.to(self.device, non_blocking=True)
-            targets = targets.to(self.device, non_blocking=True)
+            inputs, targets, arguments = unpack_batch(next(self.stream), self.device, non_blocking=True)
             with self.autocast():
-                logits = self.forward(inputs)
+                logits = self.forward(inputs, **arguments)
                 loss = self.loss(logits, targets)
                 aux = sum((layer.aux_loss for layer in self.moe_layers.values()), torch.zeros((), device=self.device))
             ((loss + aux) / accum).backward()

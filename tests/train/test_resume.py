@@ -362,3 +362,31 @@ def test_killed_and_terminated_runs_resume_to_the_uninterrupted_weights(tmp_path
     reference_metrics = json.loads((tmp_path / "reference" / "metrics.json").read_text())
     metrics = json.loads((tmp_path / "run" / "metrics.json").read_text())
     assert metrics["step"] == 10 and metrics["eval/loss"] == reference_metrics["eval/loss"]
+
+
+def test_a_killed_run_on_token_shards_resumes_at_the_exact_token_position(tmp_path):
+    """data=text on memory-mapped shards (document mask on): killed while step 3 trains, resumed from
+    step 2's checkpoint, it ends with the uninterrupted run's weights (the stream continues at the
+    very next window of tokens)."""
+    pytest.importorskip("tokenizers")
+    from tiny_tokenizers import train_tokenizer, write_text_corpus
+
+    from moetrain.data.shards import tokenize_corpus
+
+    write_text_corpus(tmp_path / "corpus")
+    tokenize_corpus(tmp_path / "corpus", tmp_path / "shards", train_tokenizer(tmp_path / "tok"), progress=False)
+    run = ["+recipe=qwen3_moe_lm", "data=text", f"data.path={tmp_path / 'shards'}", "data.document_mask=true",
+           "data.seq_len=16", "data.batch_size=4", "data.eval_batch_size=4", "trainer.max_steps=4",
+           "trainer.checkpoint_every=2", "trainer.eval_every=0", "trainer.eval_batches=1", "trainer.progress_bar=false",
+           "logger=none"]
+    assert moetrain(*run, "hydra.run.dir=reference", cwd=tmp_path).returncode == 0
+    killed = moetrain(*run, "hydra.run.dir=run", cwd=tmp_path, kill=("kill", "step", 3))
+    assert killed.returncode == -signal.SIGKILL
+    assert [p.name for p in checkpoint.checkpoints(tmp_path / "run" / "checkpoints")] == ["step_00000002.pt"]
+    finished = moetrain(*run, "hydra.run.dir=run", "trainer.resume=auto", cwd=tmp_path)
+    assert finished.returncode == 0, finished.stderr
+    last = {name: checkpoint.checkpoints(tmp_path / name / "checkpoints")[-1] for name in ("reference", "run")}
+    assert last["run"].name == last["reference"].name == "step_00000004.pt"
+    reference, resumed = checkpoint.load(last["reference"]), checkpoint.load(last["run"])
+    assert resumed["data"] == reference["data"]
+    assert_same_weights(resumed["model"], reference["model"])
