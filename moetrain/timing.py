@@ -1,4 +1,4 @@
-"""The one step timer every benchmark uses (benchmarks/, moetrain.models.throughput), and the peak
+"""The one step timer every benchmark uses (benchmarks/, benchmarks/lm_throughput.py), and the peak
 FLOP/s the trainer divides by for its MFU.
 
     ms = median_ms(lambda: layer(x).sum().backward(), device, warmup=5, steps=20)

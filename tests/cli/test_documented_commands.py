@@ -31,6 +31,8 @@ from tiny_tokenizers import train_tokenizer, write_text_corpus
 
 from moetrain import cli, commands
 from moetrain.data.shards import tokenize_corpus
+from moetrain.models import build_lm
+from moetrain.models.hf import save_hf_checkpoint
 
 ROOT = Path(__file__).resolve().parents[2]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -84,12 +86,14 @@ LINES = documented_lines()
 
 @pytest.fixture(scope="module")
 def places(tmp_path_factory) -> dict[str, Path]:
-    """What the pages' placeholders stand for: small runs, a corpus, shards, a tokenizer, photos."""
+    """What the pages' placeholders stand for: small runs, a corpus, shards, a tokenizer, photos, a
+    Hugging Face checkpoint."""
     root = tmp_path_factory.mktemp("documented")
     tokenizer = train_tokenizer(root / "tokenizer")
     write_text_corpus(root / "corpus")
     tokenize_corpus(root / "corpus", root / "shards", tokenizer, progress=False)
     write_class_folders(root / "photos", per_class=6, size=8)
+    save_hf_checkpoint(build_lm("qwen3_moe_tiny"), root / "checkpoint", "qwen3_moe")
     with pytest.MonkeyPatch.context() as patch:
         for name, overrides in (("lm_run", ["+recipe=qwen3_moe_lm", "data=text", f"data.path={root / 'shards'}",
                                             "data.seq_len=16", "data.batch_size=4", "data.eval_batch_size=4"]),
@@ -97,7 +101,8 @@ def places(tmp_path_factory) -> dict[str, Path]:
                                                "data.batch_size=4", "data.eval_batch_size=4"])):
             assert run(["moetrain", *overrides, *SHORT, f"hydra.run.dir={root / name}"], patch)[0] == 0
     return {"root": root, "tokenizer": tokenizer, "corpus": root / "corpus", "shards": root / "shards",
-            "photos": root / "photos", "lm_run": root / "lm_run", "image_run": root / "image_run"}
+            "photos": root / "photos", "lm_run": root / "lm_run", "image_run": root / "image_run",
+            "checkpoint": root / "checkpoint"}
 
 
 def run(argv: list[str], monkeypatch) -> tuple[int, str]:
@@ -123,6 +128,8 @@ def substitute(words: list[str], places: dict[str, Path], scratch: Path) -> list
             word = str(places["lm_run"])  # runs/RUN
         elif position == 2 and words[0] == "export":
             word = str(scratch / "exported")
+        elif words[0] == "convert-checkpoint" and position >= 1 and not word.startswith("--"):
+            word = str(places["image_run"])  # data only already: reported and left as it is
         elif position in (1, 2) and words[0] == "tokenize":
             word = str(places["corpus"] if position == 1 else scratch / "shards")
         elif key == "trainer.resume" and value != "auto":
@@ -130,6 +137,8 @@ def substitute(words: list[str], places: dict[str, Path], scratch: Path) -> list
         elif key == "data.path":
             where = {"photos": places["photos"], "shards/": places["shards"]}.get(value, places["corpus"] / "b")
             word = f"data.path={where}"
+        elif key == "model.path":
+            word = f"model.path={places['checkpoint']}"  # a published checkpoint's layout, at CPU size
         elif key == "data.tokenizer":
             word = f"data.tokenizer={places['tokenizer']}"
         elif key == "quant" and value == "Q":

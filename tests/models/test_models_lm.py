@@ -152,7 +152,7 @@ def test_sequence_longer_than_the_rotary_tables_is_refused():
 
 
 def test_throughput_metrics(monkeypatch):
-    from moetrain.models import throughput
+    from benchmarks import lm_throughput as throughput
     from moetrain.train import metrics as train_metrics
 
     model = build_lm("qwen3_moe_tiny", max_seq_len=32)
@@ -168,7 +168,7 @@ def test_throughput_metrics(monkeypatch):
 def test_throughput_profile_lists_the_step_s_operators(capsys):
     """--profile prints the operators of three training steps (on a CPU the host's), with the
     optimizer's among them: the profiled call is the whole step, not the forward alone."""
-    from moetrain.models import throughput
+    from benchmarks import lm_throughput as throughput
 
     throughput.main(["--preset", "qwen3_moe_tiny", "--batch-size", "1", "--seq-len", "16", "--steps", "1",
                      "--warmup", "0", "--device", "cpu", "--dtype", "float32", "--profile"])
@@ -181,7 +181,7 @@ def test_throughput_autocast_keeps_fp32_weights_and_computes_in_bf16():
     """--autocast (the command's precision=bf16): the step computes in bf16 (its loss is the fp32
     loss of the same weights up to bf16 rounding, not equal to it) while the weights and AdamW's
     moments it updates stay fp32."""
-    from moetrain.models import throughput
+    from benchmarks import lm_throughput as throughput
 
     tokens = torch.randint(0, 512, (2, 17), generator=torch.Generator().manual_seed(0))
     torch.manual_seed(0)

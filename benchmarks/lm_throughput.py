@@ -1,7 +1,7 @@
 """Training throughput of a language-model preset: tokens/s and model FLOPs utilisation (MFU).
 
-    python -m moetrain.models.throughput --preset moe_1b5 --batch-size 8 --seq-len 2048 --steps 20
-    python -m moetrain.models.throughput --preset moe_1b5 --batch-size 16 --compile --profile
+    python benchmarks/lm_throughput.py --preset moe_1b5 --batch-size 8 --seq-len 2048 --steps 20
+    python benchmarks/lm_throughput.py --preset moe_1b5 --batch-size 16 --compile --profile
 
 Each step is forward + backward + AdamW on random tokens (no data loading). The step time is the
 median over the timed steps after warm-up, measured with CUDA events on a GPU. MFU is
@@ -21,8 +21,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from moetrain.timing import median_ms, peak_bf16_flops, profile_table
-from moetrain.models.anatomy import anatomy_table, step_anatomy
+from moetrain.timing import peak_bf16_flops, profile_table
 from moetrain.models.lm import MoETransformerLM, flops_per_token, parameter_counts
 from moetrain.models.presets import PRESETS, build_lm
 from moetrain.moe import moe_layers, recompute, set_activation_checkpointing, update_router_biases
@@ -118,16 +117,12 @@ def main(argv=None) -> dict:
     parser.add_argument("--activation-checkpointing", default="none", choices=list(recompute.MODES),
                         help="recompute in the backward: selective (attention and the experts' hidden "
                              "activations, never the routing) or full (each block)")
-    parser.add_argument("--anatomy", action="store_true",
-                        help="also time each part of the step alone and print where the step's time goes "
-                             "(moetrain.models.anatomy)")
     parser.add_argument("--profile", action="store_true",
                         help="also print the kernels of three steps as run (compiled too), most time first, and "
                              "any host syncs in a step")
     args = parser.parse_args(argv)
-    if args.autocast and (args.dtype != "bfloat16" or args.anatomy):
-        parser.error("--autocast keeps fp32 weights and computes in bf16: leave out --dtype float32 and --anatomy "
-                     "(which times the bf16-weight step)")
+    if args.autocast and args.dtype != "bfloat16":
+        parser.error("--autocast keeps fp32 weights and computes in bf16: leave out --dtype float32")
     if args.fp8_wgrad is not None and args.precision == "bf16":
         parser.error(f"--fp8-wgrad {args.fp8_wgrad} applies with --precision fp8 or fp8_block only")
     args.fp8_wgrad = args.fp8_wgrad or "bf16"
@@ -159,16 +154,11 @@ def main(argv=None) -> dict:
     if result["device"].startswith("cuda"):
         result["device_name"] = torch.cuda.get_device_name()
         result["max_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
-    if args.anatomy or args.profile:  # one batch and optimizer for the steps they take
+    if args.profile:  # one batch and optimizer for the steps it takes
         device = torch.device(args.device)
         tokens_BT = torch.randint(0, model.config.vocab_size, (args.batch_size, args.seq_len + 1), device=device)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
-    if args.anatomy:
-        result["anatomy"] = step_anatomy(model, tokens_BT, optimizer, result["step_ms"],
-                                         lambda step: median_ms(step, device, warmup=2, steps=5))
     print(json.dumps(result))
-    if args.anatomy:
-        print(anatomy_table(result["anatomy"], result["step_ms"]))
     if args.profile:
         print(profile_table(lambda: training_step(model, optimizer, tokens_BT, loss_fn, args.autocast), device))
     return result
