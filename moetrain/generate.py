@@ -95,9 +95,11 @@ def _context_length(model: nn.Module) -> int:
 @torch.no_grad()
 def stream_tokens(model: nn.Module, prompt_ids: Sequence[int], max_new_tokens: int, temperature: float = 1.0,
                   top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
-                  eos_id: int | None = None) -> Iterator[int]:
+                  eos_id: int | None = None, vocab_limit: int | None = None) -> Iterator[int]:
     """Yield each new token id as soon as it is chosen: max_new_tokens of them, fewer when eos_id
-    is given and drawn (it is yielded, then generation stops)."""
+    is given and drawn (it is yielded, then generation stops). With vocab_limit, ids at or above it
+    are never drawn: a model's embedding may be padded past its tokenizer's ids (published
+    checkpoints are), and the padding rows are no token."""
     check_settings(temperature, top_k, top_p, max_new_tokens)
     context = _context_length(model)
     vocab_size = model.config.vocab_size
@@ -119,6 +121,8 @@ def stream_tokens(model: nn.Module, prompt_ids: Sequence[int], max_new_tokens: i
         for _ in range(max_new_tokens):
             window_1T = torch.tensor([tokens[-context:]], dtype=torch.long, device=device)
             logits_1V = model(window_1T)[:, -1]
+            if vocab_limit is not None and vocab_limit < logits_1V.size(-1):
+                logits_1V[:, vocab_limit:] = float("-inf")
             token = int(next_tokens(logits_1V, temperature, top_k, top_p, generator)[0])
             tokens.append(token)
             yield token
@@ -166,7 +170,8 @@ def stream_text(run: Run, prompt: str | Sequence[int], max_new_tokens: int = 100
     eos_id = tokenizer.eos_id if tokenizer is not None else None
     generated: list[int] = []
     shown = ""
-    for token in stream_tokens(run.model, ids, max_new_tokens, temperature, top_k, top_p, seed, eos_id):
+    limit = tokenizer.vocab_size if tokenizer is not None else None  # only ids the tokenizer can decode
+    for token in stream_tokens(run.model, ids, max_new_tokens, temperature, top_k, top_p, seed, eos_id, limit):
         if tokenizer is None:
             yield f"{token} "
             continue

@@ -12,6 +12,7 @@ import logging
 import math
 import shutil
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -411,3 +412,30 @@ def test_an_image_run_loads_and_evaluates_but_does_not_generate(tmp_path):
     with pytest.raises(ExportError, match="not a language model"):
         export_hf(run, tmp_path / "hf")
     assert isinstance(run, Run)
+
+
+class _PaddedVocabularyLM(torch.nn.Module):
+    """Random logits over 300 ids whose largest values sit on the padding ids 257-299 (an embedding
+    padded past a 257-id tokenizer, as published checkpoints pad theirs)."""
+
+    def __init__(self):
+        super().__init__()
+        self.config = types.SimpleNamespace(vocab_size=300, max_seq_len=32)
+        self.scale = torch.nn.Parameter(torch.ones(()))
+        self.generator = torch.Generator().manual_seed(torch.seed() % 2**31)
+
+    def forward(self, tokens_BT):
+        logits = torch.randn(*tokens_BT.shape, 300, generator=self.generator) * self.scale
+        logits[..., 257:] += 100.0
+        return logits
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_generation_never_draws_ids_past_the_tokenizer(temperature):
+    from moetrain.generate import stream_tokens
+
+    model = _PaddedVocabularyLM()
+    drawn = list(stream_tokens(model, [1, 2], 20, temperature=temperature, seed=0, vocab_limit=257))
+    assert len(drawn) == 20 and max(drawn) < 257
+    unlimited = list(stream_tokens(model, [1, 2], 5, temperature=temperature, seed=0))
+    assert min(unlimited) >= 257  # without the limit the padding rows win: the limit is what keeps them out
