@@ -40,9 +40,9 @@ from moetrain.config import (
 from moetrain.data import DataModule, unpack_batch
 from moetrain.moe import MoELayer, moe_layers, set_activation_checkpointing, set_parameter_dtype, update_router_biases
 from moetrain.precision.fp8_matmul import fp8_supported
+from moetrain.timing import anatomy_markdown, profiled_kernels, step_anatomy
 from moetrain.train import checkpoint
 from moetrain.train.metrics import TensorBoard, append_metrics, flatten, load_postfix, training_throughput
-from moetrain.timing import anatomy_markdown, profiled_kernels, step_anatomy
 from moetrain.train.optim import build_scheduler, clip_factor
 from moetrain.train.processes import SingleProcess
 from moetrain.train.stream import BatchStream
@@ -416,8 +416,7 @@ class Trainer:
             wall_ms = 1e3 * sum(unprofiled_seconds) / len(unprofiled_seconds) if unprofiled_seconds else float("nan")
             vocab_size = self.data.model_inputs.get("vocab_size")
             tokens = self.data.batch_size * (self.data.model_inputs.get("max_seq_len") or 0)
-            anatomy = step_anatomy(profiled_kernels(profiler), steps,
-                                   wall_ms, vocab_size, tokens)
+            anatomy = step_anatomy(profiled_kernels(profiler), steps, wall_ms, vocab_size, tokens)
             text = (f"# Steps {first}-{self.step} on {torch.cuda.get_device_name(self.device)}: GPU time per part\n\n"
                     f"Wall time of a step: the mean of the {len(unprofiled_seconds)} steps before step {first}; "
                     "idle: that wall time minus the GPU's busy time.\n\n" + anatomy_markdown(anatomy) + "\n")
