@@ -32,7 +32,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 from tqdm import tqdm
 
-from moetrain.data.base import DataModule, unpack_batch
+from moetrain.data.base import DataModule, forward_batch, unpack_batch
 from moetrain.quant import QuantPolicy, calibrate, expert_memory, quantize_model
 from moetrain.run import Run, RunError, build_data
 
@@ -138,8 +138,7 @@ def evaluate_run(run: Run, data: dict | None = None, quant: str | QuantPolicy | 
                                "with calibration_batches > 0 (training batches of the evaluated data)")
             device = next(model.parameters()).device
             loader = DataLoader(module.train_set, batch_size=module.batch_size)
-            counts = calibrate(model, islice(loader, calibration_batches),
-                               run=lambda m, batch: m(batch[0].to(device)))
+            counts = calibrate(model, islice(loader, calibration_batches), run=lambda m, batch: forward_batch(m, batch, device))
         model = copy.deepcopy(model)
         quantize_model(model, policy, counts)
         metrics["expert_bytes"] = sum(row.bytes for row in expert_memory(model).values())

@@ -49,6 +49,12 @@ def unpack_batch(batch, device: torch.device, non_blocking: bool = False) -> tup
     return inputs.to(device, non_blocking=non_blocking), targets.to(device, non_blocking=non_blocking), arguments
 
 
+def forward_batch(model: torch.nn.Module, batch, device: torch.device):
+    """The model on a batch's inputs, with the keyword arguments the batch carries (document ids)."""
+    inputs, _, arguments = unpack_batch(batch, device)
+    return model(inputs, **arguments)
+
+
 class SeededTransform(Dataset):
     """Applies a random transform whose randomness depends only on (seed, epoch, index).
 

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from moetrain.config import QuantConfig
+from moetrain.data.base import forward_batch
 from moetrain.quant import QuantPolicy, calibrate, expert_memory, format_memory, load_quantized, quantize_model, save_quantized
 from moetrain.train.trainer import Trainer
 
@@ -64,7 +65,7 @@ def evaluate_quantized(trainer: Trainer, quant: QuantConfig, build_model: Callab
             # Expert use measured on training batches, so the eval set stays unseen.
             batches = islice(trainer.stream, quant.calibration_batches)
             with trainer.autocast():
-                counts = calibrate(model, batches, run=lambda m, batch: m(batch[0].to(trainer.device)))
+                counts = calibrate(model, batches, run=lambda m, batch: forward_batch(m, batch, trainer.device))
         plan = quantize_model(model, policy, counts)
         quantized = trainer.evaluate()
         name = quant.format if quant.hot_format is None else f"{quant.hot_format}/{quant.format}"

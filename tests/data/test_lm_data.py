@@ -160,3 +160,23 @@ def test_token_ids_outside_the_vocabulary_name_the_file_and_position(tmp_path, s
         (folder / "a.bin").write_bytes(b"\x01\x02\x03")
         with pytest.raises(ValueError, match="a.bin: 3 bytes is not a whole number of int32 token ids"):
             text(str(folder), seq_len=16, vocab_size=100, token_dtype="int32")
+
+
+def test_calibration_and_evaluation_forward_the_document_ids_a_batch_carries():
+    """forward_batch (quantized evaluation's calibration, moetrain eval's) gives the model what the
+    trainer gives it: a document-masked batch's ids reach the model, a plain batch adds nothing."""
+    from moetrain.data.base import forward_batch
+
+    seen = []
+
+    class Recorder(torch.nn.Module):
+        def forward(self, tokens_BT, **arguments):
+            seen.append((tokens_BT, arguments))
+            return tokens_BT
+
+    inputs, targets = torch.randint(0, 9, (2, 5)), torch.randint(0, 9, (2, 5))
+    document_ids = torch.tensor([[0, 0, 1, 1, 1], [0, 1, 1, 2, 2]])
+    forward_batch(Recorder(), (inputs, targets, {"document_ids": document_ids}), torch.device("cpu"))
+    forward_batch(Recorder(), (inputs, targets), torch.device("cpu"))
+    assert torch.equal(seen[0][0], inputs) and torch.equal(seen[0][1]["document_ids"], document_ids)
+    assert seen[1][1] == {}
