@@ -167,7 +167,7 @@ class _Corpus:
                 raise ValueError(
                     f"tokenizer={tokenizer_path!r} ({tokenizer.source}, sha256 {str(tokenizer.sha256)[:12]}) is not the "
                     "tokenizer that wrote "
-                    f"the shards at path={path!r} (sha256 {shards.tokenizer_sha256[:12]}...): drop tokenizer= to use "
+                    f"the shards at path={path!r} (sha256 {shards.tokenizer_sha256[:12]}...): set tokenizer=None to use "
                     f"theirs, or tokenize the corpus again with it (moetrain tokenize CORPUS OUT --tokenizer "
                     f"{tokenizer_path})")
             self.tokens, self.shards = shards.tokens, shards
