@@ -23,7 +23,8 @@ Each variant is timed alone (its model built, warmed up, timed, freed): the step
 of CUDA-event timings after warm-up; tokens/s = batch x seq_len / step time; MFU = tokens/s x the
 preset's training FLOPs per token / 989 TFLOP/s (moetrain.timing.peak_bf16_flops); peak GiB is the
 step's allocator peak. Without transformers installed, its variants are skipped with one line.
-The last line printed is a Markdown table; --json writes every figure.
+The last line printed is a Markdown table; --json writes every figure. A variant that fails is a
+row of the table and makes the command exit 1.
 """
 
 from __future__ import annotations
@@ -215,4 +216,5 @@ def main(argv=None) -> list[dict]:
 
 
 if __name__ == "__main__":
-    sys.exit(0 if main() else 1)
+    figures = main()
+    sys.exit(1 if not figures or any("error" in result for result in figures) else 0)  # a failed variant fails the run
