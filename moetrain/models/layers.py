@@ -152,6 +152,24 @@ def _flex_attention():
     return _compiled_flex_attention
 
 
+def _flex_call(q_BNTHd, k_BKSHd, v_BKSHd, mask, scale, gqa):
+    return _flex_attention()(q_BNTHd, k_BKSHd, v_BKSHd, block_mask=mask, scale=scale, enable_gqa=gqa)
+
+
+_flex_outside_the_graph = None
+
+
+def _flex_outside_graph():
+    """_flex_call, never traced into a caller's graph: inside a compiled model (torch 2.11) flex
+    attention traced with the model's graph returned wrong values for a document mask, while the
+    separately compiled kernel matches the reference. The model's graph breaks around each call
+    (recursive=False: the compiled kernel itself still runs compiled)."""
+    global _flex_outside_the_graph
+    if _flex_outside_the_graph is None:
+        _flex_outside_the_graph = torch.compiler.disable(_flex_call, recursive=False)
+    return _flex_outside_the_graph
+
+
 def _block_mask(document_ids_BT: torch.Tensor, causal: bool):
     from torch.nn.attention.flex_attention import create_block_mask
 
@@ -188,7 +206,8 @@ def attend(q_BNTHd, k_BKSHd, v_BKSHd, mask=None, causal: bool = False, dropout: 
     if mask is not None and not isinstance(mask, torch.Tensor):  # a flex-attention BlockMask
         if dropout:
             raise ValueError("flex attention has no dropout: build the mask with document_mask(..., flex=False)")
-        return _flex_attention()(q_BNTHd, k_BKSHd, v_BKSHd, block_mask=mask, scale=scale, enable_gqa=gqa)
+        call = _flex_outside_graph() if torch.compiler.is_compiling() else _flex_call
+        return call(q_BNTHd, k_BKSHd, v_BKSHd, mask, scale, gqa)
     return F.scaled_dot_product_attention(q_BNTHd, k_BKSHd, v_BKSHd, attn_mask=mask, dropout_p=dropout,
                                           is_causal=causal and mask is None, scale=scale, enable_gqa=gqa)
 

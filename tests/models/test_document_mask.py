@@ -141,3 +141,16 @@ def test_a_compiled_model_with_document_ids_matches_eager():
         eager = model(tokens_BT, document_ids=documents_BT)
         compiled = torch.compile(model)(tokens_BT, document_ids=documents_BT)
     torch.testing.assert_close(compiled, eager, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.cuda
+def test_a_compiled_training_step_with_document_ids_has_the_eager_gradients():
+    eager_model = tiny_lm("qwen3_moe_tiny").cuda()
+    compiled_model = tiny_lm("qwen3_moe_tiny").cuda()
+    tokens_1T, documents_1T = packed_row([9, 4, 13, 6])
+    tokens_BT, documents_BT = tokens_1T.repeat(2, 1).cuda(), documents_1T.repeat(2, 1).cuda()
+    targets_BT = tokens_BT.roll(-1, dims=1)
+    for model in (eager_model, torch.compile(compiled_model)):
+        F.cross_entropy(model(tokens_BT, document_ids=documents_BT).flatten(0, 1), targets_BT.flatten()).backward()
+    for (name, eager), compiled in zip(eager_model.named_parameters(), compiled_model.parameters()):
+        torch.testing.assert_close(compiled.grad, eager.grad, rtol=1e-4, atol=1e-5, msg=name)
