@@ -165,6 +165,9 @@ class TrainerConfig:
     # The parameters' dtype: float32, or bfloat16 with fp32 master weights kept by the optimizer
     # (the bf16 weights are the fp32 masters rounded after each update; needs optim=adamw).
     param_dtype: ParamDtype = ParamDtype.float32
+    # Language models: the LM head and the loss in one pass over chunks of tokens, no logits kept
+    # (moetrain.ops.linear_cross_entropy); false: the logits, then the cross-entropy.
+    fused_loss: bool = True
     fp8_wgrad: Optional[FP8Wgrad] = None  # precision fp8 | fp8_block: the weight gradient's GEMM; null = bf16
     progress_bar: bool = True
     # torch.compile the model before training: faster steps on GPUs; on a CPU it works but the

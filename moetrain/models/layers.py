@@ -163,10 +163,10 @@ def _flex_outside_graph():
     """_flex_call, never traced into a caller's graph: inside a compiled model (torch 2.11) flex
     attention traced with the model's graph returned wrong values for a document mask, while the
     separately compiled kernel matches the reference. The model's graph breaks around each call
-    (recursive=False: the compiled kernel itself still runs compiled)."""
+    (the kernel compiled apart still runs compiled inside the disabled call)."""
     global _flex_outside_the_graph
     if _flex_outside_the_graph is None:
-        _flex_outside_the_graph = torch.compiler.disable(_flex_call, recursive=False)
+        _flex_outside_the_graph = torch.compiler.disable(_flex_call)
     return _flex_outside_the_graph
 
 

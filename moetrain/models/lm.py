@@ -40,6 +40,7 @@ from moetrain.models.layers import (
     yarn_scaling,
 )
 from moetrain.moe import DenseFeedForward, MoELayer, is_expert_param
+from moetrain.ops.linear_cross_entropy import linear_cross_entropy
 
 ATTENTIONS = ("mha", "mla")
 
@@ -161,8 +162,11 @@ class MoETransformerLM(nn.Module):
         trainer reads it to report MFU without knowing the model class."""
         return flops_per_token(self, seq_len)
 
-    def forward(self, tokens_BT: torch.Tensor, document_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits [B, T, V]; document_ids [B, T]: keep attention and positions inside each document."""
+    def forward(self, tokens_BT: torch.Tensor, document_ids: torch.Tensor | None = None,
+                targets: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits [B, T, V]; document_ids [B, T]: keep attention and positions inside each document.
+        With targets [B, T] (-100: not scored) the mean next-token cross-entropy instead, the head and
+        the loss fused chunk by chunk (moetrain.ops.linear_cross_entropy: no logits are kept)."""
         T = tokens_BT.shape[1]
         if T > self.config.max_seq_len:
             raise ValueError(f"sequence length {T} exceeds max_seq_len={self.config.max_seq_len}")
@@ -181,7 +185,12 @@ class MoETransformerLM(nn.Module):
         x_BTD = self.dropout(self.embed(tokens_BT))
         for block in self.blocks:
             x_BTD = block(x_BTD, rotary) if mask is None else block(x_BTD, rotary, mask)
-        return self.lm_head(self.norm(x_BTD))
+        if targets is None:
+            return self.lm_head(self.norm(x_BTD))
+        # Inside a compiled model the fused loss runs outside the graph (its own kernel is compiled
+        # apart): the graph ends at the final norm.
+        loss = torch.compiler.disable(linear_cross_entropy) if torch.compiler.is_compiling() else linear_cross_entropy
+        return loss(self.norm(x_BTD), self.lm_head.weight, targets)
 
 
 def parameter_counts(model: nn.Module) -> tuple[int, int]:

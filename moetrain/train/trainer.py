@@ -16,6 +16,7 @@ run after the current step with a checkpoint; with several ranks, all stop at th
 
 from __future__ import annotations
 
+import inspect
 import json
 import logging
 import math
@@ -153,6 +154,9 @@ class Trainer:
         # from them: no fp32 copy of the logits and of their log-softmax is kept (on moe_1b5's 32k
         # vocabulary, batch 16 x 2048: 8 GiB).
         self.loss = torch.compile(task_loss) if trainer.compile else task_loss
+        # The model's own fused head + loss (forward(..., targets=)) where it has one.
+        self.fused_loss = (trainer.fused_loss and data.task == "language_modeling"
+                           and "targets" in inspect.signature(self.model.forward).parameters)
         self.moe_layers = {name: m for name, m in self.model.named_modules() if isinstance(m, MoELayer)}
         self.optimizer = self.processes.build_optimizer(self.model, optim)
         if trainer.async_checkpoint:
@@ -349,8 +353,10 @@ class Trainer:
         for _ in range(accum):
             inputs, targets, arguments = unpack_batch(next(self.stream), self.device, non_blocking=True)
             with self.autocast():
-                logits = self.forward(inputs, **arguments)
-                loss = self.loss(logits, targets)
+                if self.fused_loss:
+                    loss = self.forward(inputs, targets=targets, **arguments)
+                else:
+                    loss = self.loss(self.forward(inputs, **arguments), targets)
                 aux = sum((layer.aux_loss for layer in self.moe_layers.values()), torch.zeros((), device=self.device))
             ((loss + aux) / accum).backward()
             loss_total += loss.detach()
