@@ -14,10 +14,13 @@ balance loss at the preset's weight) and the same optimizer:
                        arrangement `trainer.param_dtype=bfloat16` trains with; the default)
   --optimizer adamw    torch's fused AdamW on the bf16 parameters (bf16 moments)
 
-A variant is SYSTEM[:COMPILE][:PRECISION]: SYSTEM moetrain or transformers; COMPILE model (the whole
+A variant is SYSTEM[:COMPILE][:PRECISION][:LOSS]: SYSTEM moetrain or transformers; COMPILE model (the whole
 model and the loss, as the trainer compiles them; the default), blocks (each transformer block /
 decoder layer and the loss) or none; PRECISION bf16 (default) or fp8 (moetrain's expert GEMMs in FP8,
-as trainer.precision=fp8). moetrain runs under bf16 autocast, as the trainer does.
+as trainer.precision=fp8); LOSS, moetrain only: fused (the default, as trainer.fused_loss=true: the
+model's forward with targets, the head and the loss chunk by chunk, no logits kept) or logits (the
+logits, then the compiled loss, as transformers is measured). moetrain runs under bf16 autocast, as
+the trainer does.
 
 Each variant is timed alone (its model built, warmed up, timed, freed): the step time is the median
 of CUDA-event timings after warm-up; tokens/s = batch x seq_len / step time; MFU = tokens/s x the
@@ -72,8 +75,9 @@ def transformers_config(preset: str, seq_len: int):
     )
 
 
-def build(system: str, compile_mode: str, precision: str, preset: str, seq_len: int, device):
-    """(model, forward(tokens) -> (logits, aux loss), autocast context factory)."""
+def build(system: str, compile_mode: str, precision: str, fused: bool, preset: str, seq_len: int, device):
+    """(model, forward(tokens, targets) -> (logits or None, loss or None, aux loss), autocast context
+    factory): the loss comes from the model when fused, else the logits."""
     if system == "moetrain":
         with torch.device(device):
             model = build_lm(preset, max_seq_len=seq_len)
@@ -86,8 +90,10 @@ def build(system: str, compile_mode: str, precision: str, preset: str, seq_len: 
                 block.compile()
         forward_model = torch.compile(model) if compile_mode == "model" else model
 
-        def forward(tokens_BT):
-            return forward_model(tokens_BT), sum(layer.aux_loss for layer in layers)
+        def forward(tokens_BT, targets_BT):
+            out = forward_model(tokens_BT, targets=targets_BT) if fused else forward_model(tokens_BT)
+            aux = sum(layer.aux_loss for layer in layers)
+            return (None, out, aux) if fused else (out, None, aux)
 
         return model, forward, (lambda: torch.autocast(device.type, dtype=torch.bfloat16))
     from transformers import AutoModelForCausalLM
@@ -100,9 +106,9 @@ def build(system: str, compile_mode: str, precision: str, preset: str, seq_len: 
     forward_model = torch.compile(model) if compile_mode == "model" else model
     coefficient = model.config.router_aux_loss_coef
 
-    def forward(tokens_BT):
+    def forward(tokens_BT, targets_BT):
         out = forward_model(input_ids=tokens_BT)
-        return out.logits, coefficient * out.aux_loss
+        return out.logits, None, coefficient * out.aux_loss
 
     return model, forward, contextlib.nullcontext
 
@@ -110,12 +116,16 @@ def build(system: str, compile_mode: str, precision: str, preset: str, seq_len: 
 def measure(variant: str, args, device, batches) -> dict:
     parts = variant.split(":")
     system, compile_mode, precision = parts[0], (parts[1:2] or ["model"])[0], (parts[2:3] or ["bf16"])[0]
+    loss_kind = (parts[3:4] or ["fused" if system == "moetrain" else "logits"])[0]
     if system not in ("moetrain", "transformers") or compile_mode not in ("model", "blocks", "none") \
-            or precision not in ("bf16", "fp8") or (system == "transformers" and precision != "bf16"):
-        raise SystemExit(f"lm_step: unknown variant {variant!r}: SYSTEM[:COMPILE][:PRECISION] with SYSTEM "
-                         "moetrain|transformers, COMPILE model|blocks|none, PRECISION bf16|fp8 (fp8: moetrain only)")
+            or precision not in ("bf16", "fp8") or loss_kind not in ("fused", "logits") or len(parts) > 4 \
+            or (system == "transformers" and (precision, loss_kind) != ("bf16", "logits")):
+        raise SystemExit(f"lm_step: unknown variant {variant!r}: SYSTEM[:COMPILE][:PRECISION][:LOSS] with SYSTEM "
+                         "moetrain|transformers, COMPILE model|blocks|none, PRECISION bf16|fp8, LOSS fused|logits "
+                         "(fp8 and fused: moetrain only)")
     torch.manual_seed(0)
-    model, forward, autocast = build(system, compile_mode, precision, args.preset, args.seq_len, device)
+    model, forward, autocast = build(system, compile_mode, precision, loss_kind == "fused", args.preset, args.seq_len,
+                                     device)
     params = [p for p in model.parameters() if p.requires_grad]
     if args.optimizer == "master":
         optimizer = MasterWeightAdamW(params, lr=1e-4, weight_decay=0.1)
@@ -128,8 +138,8 @@ def measure(variant: str, args, device, batches) -> dict:
         tokens_BT = batches[position[0] % len(batches)]
         position[0] += 1
         with autocast():
-            logits_BTV, aux = forward(tokens_BT[:, :-1])
-            loss = loss_fn(logits_BTV, tokens_BT[:, 1:]) + aux
+            logits_BTV, loss, aux = forward(tokens_BT[:, :-1], tokens_BT[:, 1:])
+            loss = (loss if logits_BTV is None else loss_fn(logits_BTV, tokens_BT[:, 1:])) + aux
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -143,7 +153,8 @@ def measure(variant: str, args, device, batches) -> dict:
     step_ms = times[len(times) // 2]
     tokens_per_s = args.batch_size * args.seq_len / step_ms * 1e3
     peak = peak_bf16_flops(device)
-    result = {"variant": f"{system}:{compile_mode}:{precision}", "optimizer": args.optimizer, "step_ms": step_ms,
+    result = {"variant": f"{system}:{compile_mode}:{precision}:{loss_kind}", "optimizer": args.optimizer,
+              "step_ms": step_ms,
               "step_ms_range": [times[0], times[-1]], "tokens_per_s": tokens_per_s,
               "mfu": None if peak is None else tokens_per_s * args.flops_per_token / peak,
               "peak_gib": torch.cuda.max_memory_allocated(device) / 2**30 if on_gpu else None}
