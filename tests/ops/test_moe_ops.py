@@ -40,7 +40,9 @@ def test_route_matches_naive(packed, capacity, num_experts):
             assert torch.equal(got, want), impl
 
 
-@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-6), (torch.float64, 1e-12), (torch.bfloat16, 3e-2)])
+# fp32: the weight gradient sums 19 products of up to about 10 in another order than the reference,
+# which moves it by up to about 19 * 10 * 2**-24 = 1e-5.
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-5), (torch.float64, 1e-12), (torch.bfloat16, 3e-2)])
 @pytest.mark.parametrize("layout", ["padded", "packed", "skewed"])
 @pytest.mark.parametrize("k", [1, 2, 8])
 def test_dispatch_combine_kernel_matches_reference(dtype, tol, layout, k):
