@@ -401,6 +401,10 @@ def run_tokenize(args) -> None:
              else "every shard was already there and is verified")
     print(f"{args.out}: {result['documents']} documents, {result['tokens']} tokens in {len(result['shards'])} "
           f"{result['dtype']} shard(s); {speed}")
+    if encoded and args.workers > len(result["shards"]):
+        print(f"moetrain: note: {len(result['shards'])} shard(s) kept fewer than --workers={args.workers} busy: a "
+              "document is never split across shards, and a .txt file is one document; a corpus of many "
+              "documents (.jsonl lines, or many .txt files) spreads over the workers", file=sys.stderr)
 
 
 # ---- --version --------------------------------------------------------------------------------------
