@@ -156,20 +156,6 @@ def _flex_call(q_BNTHd, k_BKSHd, v_BKSHd, mask, scale, gqa):
     return _flex_attention()(q_BNTHd, k_BKSHd, v_BKSHd, block_mask=mask, scale=scale, enable_gqa=gqa)
 
 
-_flex_outside_the_graph = None
-
-
-def _flex_outside_graph():
-    """_flex_call, never traced into a caller's graph: inside a compiled model (torch 2.11) flex
-    attention traced with the model's graph returned wrong values for a document mask, while the
-    separately compiled kernel matches the reference. The model's graph breaks around each call
-    (the kernel compiled apart still runs compiled inside the disabled call)."""
-    global _flex_outside_the_graph
-    if _flex_outside_the_graph is None:
-        _flex_outside_the_graph = torch.compiler.disable(_flex_call)
-    return _flex_outside_the_graph
-
-
 def _block_mask(document_ids_BT: torch.Tensor, causal: bool):
     from torch.nn.attention.flex_attention import create_block_mask
 
@@ -206,7 +192,10 @@ def attend(q_BNTHd, k_BKSHd, v_BKSHd, mask=None, causal: bool = False, dropout: 
     if mask is not None and not isinstance(mask, torch.Tensor):  # a flex-attention BlockMask
         if dropout:
             raise ValueError("flex attention has no dropout: build the mask with document_mask(..., flex=False)")
-        call = _flex_outside_graph() if torch.compiler.is_compiling() else _flex_call
+        # Inside a compiled model, flex attention traced into the model's graph returned wrong values
+        # for a document mask (torch 2.11, H200), while the kernel compiled apart matches the
+        # reference: the model's graph breaks around the call, which runs that kernel.
+        call = torch.compiler.disable(_flex_call) if torch.compiler.is_compiling() else _flex_call
         return call(q_BNTHd, k_BKSHd, v_BKSHd, mask, scale, gqa)
     return F.scaled_dot_product_attention(q_BNTHd, k_BKSHd, v_BKSHd, attn_mask=mask, dropout_p=dropout,
                                           is_causal=causal and mask is None, scale=scale, enable_gqa=gqa)
