@@ -33,10 +33,10 @@ from torch.utils.data import DataLoader
 from tqdm import tqdm
 
 from moetrain.data.base import DataModule, forward_batch, unpack_batch
+from moetrain.ops.linear_cross_entropy import IGNORE_INDEX  # the trainer's: targets that are not scored
 from moetrain.quant import QuantPolicy, calibrate, expert_memory, quantize_model
 from moetrain.run import Run, RunError, build_data
 
-IGNORE_INDEX = -100  # the trainer's: targets that are not scored
 PERPLEXITY_LOSS_CAP = 50.0  # exp() of a larger loss overflows to a useless number
 PRECISIONS = ("auto", "bf16", "fp32")  # auto: bf16 autocast on CUDA, fp32 on a CPU (the trainer's rule)
 

@@ -40,6 +40,7 @@ from moetrain.config import (
 )
 from moetrain.data import DataModule, unpack_batch
 from moetrain.moe import MoELayer, moe_layers, set_activation_checkpointing, set_parameter_dtype, update_router_biases
+from moetrain.ops.linear_cross_entropy import IGNORE_INDEX  # targets that are not scored
 from moetrain.precision.fp8_matmul import fp8_supported
 from moetrain.timing import anatomy_markdown, profiled_kernels, step_anatomy
 from moetrain.train import checkpoint
@@ -51,7 +52,6 @@ from moetrain.train.stream import BatchStream
 _PROFILED_STEPS = 3  # trainer.profile_at profiles this many steps
 log = logging.getLogger(__name__)
 
-IGNORE_INDEX = -100
 EVAL_TAGS = ["eval/loss", "eval/accuracy"]
 
 
