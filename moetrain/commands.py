@@ -47,7 +47,7 @@ from moetrain.command_errors import (
     target_arguments,
 )
 from moetrain.config import ConfigError, Device, QuantConfig, SettingError, did_you_mean
-from moetrain.data.shards import ShardError, tokenize_corpus
+from moetrain.data.shards import SHARD_BYTES, ShardError, tokenize_corpus
 from moetrain.data.tokenizer import TokenizerError
 from moetrain.evaluate import evaluate_run
 from moetrain.export import ARCHITECTURES, EXPORTABLE, ExportError, export_hf
@@ -402,9 +402,9 @@ def run_tokenize(args) -> None:
     print(f"{args.out}: {result['documents']} documents, {result['tokens']} tokens in {len(result['shards'])} "
           f"{result['dtype']} shard(s); {speed}")
     if encoded and args.workers > len(result["shards"]):
-        print(f"moetrain: note: {len(result['shards'])} shard(s) kept fewer than --workers={args.workers} busy: a "
-              "document is never split across shards, and a .txt file is one document; a corpus of many "
-              "documents (.jsonl lines, or many .txt files) spreads over the workers", file=sys.stderr)
+        print(f"moetrain: note: {len(result['shards'])} shard(s) kept fewer than --workers={args.workers} busy: a worker "
+              f"encodes one shard at a time, a shard holds about {SHARD_BYTES // 2**20} MiB of text (whole documents; a .txt "
+              "file is one document), so a corpus spreads over N workers from N times that size", file=sys.stderr)
 
 
 # ---- --version --------------------------------------------------------------------------------------
