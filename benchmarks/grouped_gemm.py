@@ -103,7 +103,7 @@ def _relative_error(kind: str, c: torch.Tensor, a, b, ends_E, a_scale=None, b_sc
 
 def _configs(dtype: torch.dtype, n: int, rows_per_expert: float, block: int, sweep: bool) -> list[dict]:
     """Our tiles to time: the default, and with sweep the SWEEP variants of it."""
-    default = default_config(dtype, n, rows_per_expert)
+    default = default_config(dtype, n, rows_per_expert, block)
     tried = [dict(default, BLOCK_M=m, BLOCK_N=nn, num_warps=w, num_stages=s) for m, nn, w, s in SWEEP] if sweep else []
     return [default] + [config for config in tried if config != default]
 

@@ -20,12 +20,9 @@ contiguous: for speed, grouped_mm wants b_EKN.stride(1) == 1 (weights stored [E,
 grouped_mm_wgrad wants a.stride(0) == b.stride(0) == 1 (operands stored transposed, [K, R] and
 [N, R]); other strides are correct but slower. 16-bit MMAs read either layout.
 fp32 operands use TF32 when torch.backends.cuda.matmul.allow_tf32 is set, IEEE fp32 otherwise.
-Hopper's FP8 tensor cores keep fewer bits than fp32 while they accumulate (DeepSeek-V3's report,
-section 3.3.2, measured about 2 % error at K=4096); Triton lets them accumulate over all of K by
-default, like a fast-accumulation cuBLAS GEMM. Here every FP8 product is promoted: the tensor
-cores sum one BLOCK_K slab (128), which is then added to the fp32 accumulator (row-wise:
-max_num_imprecise_acc=BLOCK_K; block-scaled: after the slab's scales, as they require). Left to
-the tensor cores, moe_1b5's 200-step loss curve on text ran 4-8 % above bf16's.
+On sm90 the row-wise FP8 products accumulate over all of K in the tensor cores (Triton's default
+for FP8 there, like a fast-accumulation cuBLAS GEMM); the block-scaled ones are added to the fp32
+accumulator one BLOCK_K slab at a time, as their scales require.
 
 Scheduling: one program per output tile. grouped_mm's programs cover an upper bound of the row
 tiles (cdiv(R, BLOCK_M) + E, each expert wasting at most one partial tile) times the column tiles;
@@ -116,8 +113,6 @@ if triton is not None:
                 sb = tl.load(sb_ptr + e64 * stride_sbe + slab * stride_sbk + (cols // 128) * stride_sbn,
                              mask=col_ok, other=0.0)
                 acc += tl.dot(a, b) * (sa[:, None] * sb[None, :])
-            elif SCALING == 1:  # FP8: each slab's sum promoted into the fp32 accumulator (module doc)
-                acc = tl.dot(a, b, acc, max_num_imprecise_acc=BLOCK_K)
             else:
                 acc = tl.dot(a, b, acc, input_precision=PRECISION)
             a_ptrs += BLOCK_K * stride_ak
@@ -153,8 +148,6 @@ if triton is not None:
             sa = tl.load(sa_ptrs + block * stride_sa0, mask=kk_ok, other=0.0)
             sb = tl.load(sb_ptrs + block * stride_sb0, mask=col_ok, other=0.0)
             acc += tl.dot(a, b) * (sa[:, None] * sb[None, :])
-        elif SCALING == 1:  # FP8: the slab's sum promoted into the fp32 accumulator (module doc)
-            acc = tl.dot(a, b, acc, max_num_imprecise_acc=BLOCK_K)
         else:
             acc = tl.dot(a, b, acc, input_precision=PRECISION)
         return acc
@@ -222,17 +215,16 @@ if triton is not None:
 # ---------------------------------------------------------------- configs and launches
 
 
-def default_config(dtype: torch.dtype, n: int, rows_per_expert: float) -> dict:
+def default_config(dtype: torch.dtype, n: int, rows_per_expert: float, block: int = 0) -> dict:
     """Tiles for one GEMM: output tile BLOCK_M x BLOCK_N (grouped_mm: rows x N; wgrad: K x N),
     reduction slab BLOCK_K. Wide column tiles where N allows (fewer re-reads of a), thin row tiles
     when experts own few rows; FP8 reduces over 128 at a time (its scale blocks, and 128 bytes a row).
-    FP8 holds a second [BLOCK_M, BLOCK_N] fp32 tile (each slab's product before it is promoted, and
-    scaled where block-scaled): 128 x 256 would spill registers there (ptxas, sm_90a), so its column
-    tiles stay at 128."""
+    Block-scaled FP8 holds a second [BLOCK_M, BLOCK_N] fp32 tile (each slab's product before it is
+    scaled): 128 x 256 would spill registers there (ptxas, sm_90a), so its column tiles stay at 128."""
     if dtype == torch.float32:  # correctness more than speed: CUDA-core FMAs unless TF32 is allowed
         return dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, num_warps=4, num_stages=3, GROUP=8)
     block_m = 64 if rows_per_expert < 96 else 128
-    block_n = 256 if n >= 1024 and block_m == 128 and dtype != FP8 else 128
+    block_n = 256 if n >= 1024 and block_m == 128 and not block else 128
     stages = 3 if block_n == 256 else 4  # <= 147 KiB of shared memory for the operand tiles
     return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=128 if dtype == FP8 else 64, num_warps=8, num_stages=stages,
                 GROUP=8)
@@ -240,7 +232,7 @@ def default_config(dtype: torch.dtype, n: int, rows_per_expert: float) -> dict:
 
 def _config(config: list[int], dtype: torch.dtype, n: int, rows_per_expert: float, block: int) -> dict:
     """default_config with the entries of a _config_list (-1: not given) put over it."""
-    chosen = default_config(dtype, n, rows_per_expert)
+    chosen = default_config(dtype, n, rows_per_expert, block)
     chosen.update((key, value) for key, value in zip(CONFIG_KEYS, config) if value >= 0)
     if block and SCALE_BLOCK % chosen["BLOCK_K"]:
         raise ValueError(f"block={block} needs BLOCK_K dividing {SCALE_BLOCK}, got {chosen['BLOCK_K']}")

@@ -137,8 +137,7 @@ def test_kernels_in_the_interpreter():
 def test_kernels_compile_for_hopper(tmp_path):
     """Compiled for sm_90 by Triton on this CPU at the default tiles of a large GEMM, with aligned
     operands in FP8's fast layout (as the launches specialise them): warp-group MMAs (on E4M3 for
-    FP8, with their sums promoted to fp32), pipelined asynchronous copies in the reduction loops, and
-    (ptxas -v) no register spills."""
+    FP8), pipelined asynchronous copies in the reduction loops, and (ptxas -v) no register spills."""
     triton = pytest.importorskip("triton")
     pytest.importorskip("triton.backends.nvidia")
     from triton.backends.compiler import GPUTarget
@@ -153,7 +152,7 @@ def test_kernels_compile_for_hopper(tmp_path):
     for kind, dtype, scaling in (("mm", torch.bfloat16, 0), ("mm", tg.FP8, 1), ("mm", tg.FP8, 2),
                                  ("wgrad", torch.bfloat16, 0), ("wgrad", tg.FP8, 1), ("wgrad", tg.FP8, 2)):
         fn = tg._grouped_mm_kernel if kind == "mm" else tg._grouped_mm_wgrad_kernel
-        config = tg.default_config(dtype, 4096, 1024)
+        config = tg.default_config(dtype, 4096, 1024, 128 if scaling == 2 else 0)
         element = "*bf16" if dtype == torch.bfloat16 else "*fp8e4nv"
         types = {**pointers, "a_ptr": element, "b_ptr": element, **dict.fromkeys(ints[kind].split(), "i32")}
         constants = dict.fromkeys(unit_strides[kind], 1)
@@ -168,12 +167,6 @@ def test_kernels_compile_for_hopper(tmp_path):
         what = (kind, dtype, scaling)
         assert "wgmma.mma_async" in ptx and "cp.async.cg.shared.global" in ptx, what
         assert ("e4m3" in ptx) == (dtype == tg.FP8), what
-        # FP8 sums are promoted to the fp32 accumulator slab by slab (module docstring): each thread
-        # adds every register of its accumulator share (row-wise: add; block-scaled: fma with the
-        # scales), where 16-bit MMAs accumulate in place.
-        share = config["BLOCK_M"] * config["BLOCK_N"] // (32 * config["num_warps"])
-        promotions = len(re.findall(r"\bfma\.rn\.f32" if scaling == 2 else r"\badd(\.rn)?\.f32", ptx))
-        assert promotions >= share if dtype == tg.FP8 else promotions < share, (what, promotions, share)
         if ptxas.exists():
             path = tmp_path / "kernel.ptx"
             path.write_text(ptx)
@@ -320,23 +313,3 @@ def test_custom_ops_compile_into_one_graph(device):
     compiled = torch.compile(step, fullgraph=True)
     for got, expected in zip(compiled(x, w, ends), step(x, w, ends)):
         torch.testing.assert_close(got, expected)
-
-
-@pytest.mark.parametrize("k", [2048, 4096, 8192])
-@pytest.mark.parametrize("device", [pytest.param("cuda", marks=SM90)])
-def test_rowwise_fp8_sums_as_accurately_as_torchs_promoted_gemm(k, device):
-    """Row-wise FP8 at training's reduction lengths: the error against fp32 sums of the same E4M3
-    operands (both GEMMs rounding to bf16 alike, so only the accumulation differs) is no larger
-    than that of torch._scaled_grouped_mm, which promotes its sums to fp32."""
-    torch.manual_seed(4)
-    counts = _random_counts(4096, 8, seed=5)
-    ends = _ends(counts, device)
-    a, b, a_scale, b_scale, _ = _operands(tg.FP8, "row", "mm", sum(counts), k, 1024, 8, "reduction", device)
-    # Values of one sign: the sums grow with K, as the accumulation's error does (random signs cancel).
-    a, b = a.float().abs().to(tg.FP8), b.transpose(1, 2).float().abs().to(tg.FP8).transpose(1, 2)
-    reference = tg.grouped_mm_reference(a, b, ends, a_scale, b_scale)
-    ours = tg.grouped_mm(a, b, ends, a_scale, b_scale, out_dtype=torch.bfloat16).float()
-    torchs = torch._scaled_grouped_mm(a, b, a_scale, b_scale, offs=ends, out_dtype=torch.bfloat16).float()
-    error = ((ours - reference).abs().max() / reference.abs().max()).item()
-    torch_error = ((torchs - reference).abs().max() / reference.abs().max()).item()
-    assert error <= 1.25 * torch_error + 1e-6, (k, error, torch_error)
