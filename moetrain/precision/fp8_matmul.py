@@ -402,6 +402,28 @@ def _fp8_counts(precision: str, wgrad: str, device: torch.device, num_experts: i
     return counts_E
 
 
+def _apply_without_autocast(function: type[torch.autograd.Function], device_type: str, *args) -> torch.Tensor:
+    with torch.autocast(device_type, enabled=False):
+        return function.apply(*args)
+
+
+# Traced by torch.compile on CUDA (torch 2.11, H200), these autograd.Functions lost their gradients:
+# in the output code of moe_1b5's compiled step the backward quantized a zero-filled buffer in place
+# of the gate-up GEMM's output gradient (and took its weight gradient from it), and the gradient that
+# combine passed back to the experts' output went unused; the loss ran 4-8 % above bf16's, fp8's and
+# fp8_block's curves equal to four decimals, as experts that never train would make them. On CUDA a
+# compiled model therefore runs them outside its graph, as eager runs them (a graph break each);
+# traced on the CPU their gradients are the eager ones (tests/precision/test_fp8_training.py).
+_apply_outside_the_graph = torch.compiler.disable(_apply_without_autocast)
+
+
+def _apply(function: type[torch.autograd.Function], device_type: str, *args) -> torch.Tensor:
+    """function.apply(*args) with autocast off; outside the graph while torch.compile traces CUDA tensors."""
+    if device_type == "cuda" and torch.compiler.is_compiling():
+        return _apply_outside_the_graph(function, device_type, *args)
+    return _apply_without_autocast(function, device_type, *args)
+
+
 def _autocast_input(x: torch.Tensor) -> torch.Tensor:
     if torch.is_autocast_enabled(x.device.type):
         return x.to(torch.get_autocast_dtype(x.device.type))
@@ -416,8 +438,7 @@ def fp8_expert_matmul(x_RK: torch.Tensor, w_EKN: torch.Tensor, counts_E: torch.T
     layouts and arguments as moetrain.ops.grouped.expert_matmul."""
     counts_E = _fp8_counts(precision, wgrad, x_RK.device, w_EKN.size(0), x_RK.size(0), counts_E, capacity)
     x_RK = _autocast_input(x_RK)
-    with torch.autocast(x_RK.device.type, enabled=False):
-        return _FP8ExpertMatmul.apply(x_RK, w_EKN, counts_E, precision, wgrad)
+    return _apply(_FP8ExpertMatmul, x_RK.device.type, x_RK, w_EKN, counts_E, precision, wgrad)
 
 
 def fp8_token_matmul(x_TK: torch.Tensor, dest_TK: torch.Tensor, num_rows: int, w_EKN: torch.Tensor,
@@ -429,8 +450,8 @@ def fp8_token_matmul(x_TK: torch.Tensor, dest_TK: torch.Tensor, num_rows: int, w
     gradient is in token order, [T, K]."""
     counts_E = _fp8_counts(precision, wgrad, x_TK.device, w_EKN.size(0), num_rows, counts_E, capacity)
     x_TK = _autocast_input(x_TK)
-    with torch.autocast(x_TK.device.type, enabled=False):
-        return _FP8TokenMatmul.apply(x_TK.contiguous(), w_EKN, counts_E, dest_TK.contiguous(), num_rows, precision,
+    return _apply(_FP8TokenMatmul, x_TK.device.type, x_TK.contiguous(), w_EKN, counts_E, dest_TK.contiguous(), num_rows,
+                  precision,
                                      wgrad, impl)
 
 
@@ -523,6 +544,6 @@ def fp8_exchanged_matmul(x_TK: torch.Tensor, dest_TK: torch.Tensor, num_rows: in
     gradient is in token order, [T, K]."""
     counts_E = _fp8_counts(precision, wgrad, x_TK.device, w_EKN.size(0), exchange.received_rows, counts_E, None)
     x_TK = _autocast_input(x_TK)
-    with torch.autocast(x_TK.device.type, enabled=False):
-        return _FP8ExchangedMatmul.apply(x_TK.contiguous(), w_EKN, counts_E, dest_TK.contiguous(), num_rows,
+    return _apply(_FP8ExchangedMatmul, x_TK.device.type, x_TK.contiguous(), w_EKN, counts_E, dest_TK.contiguous(),
+                  num_rows,
                                          precision, wgrad, impl, exchange)
