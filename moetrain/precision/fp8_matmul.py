@@ -414,13 +414,15 @@ def _apply_without_autocast(function: type[torch.autograd.Function], device_type
 # fp8_block's curves equal to four decimals, as experts that never train would make them. On CUDA a
 # compiled model therefore runs them outside its graph, as eager runs them (a graph break each);
 # traced on the CPU their gradients are the eager ones (tests/precision/test_fp8_training.py).
-_apply_outside_the_graph = torch.compiler.disable(_apply_without_autocast)
+OUTSIDE_THE_GRAPH = ("cuda",)  # the device types whose compiled models run the FP8 GEMMs outside the graph
 
 
 def _apply(function: type[torch.autograd.Function], device_type: str, *args) -> torch.Tensor:
-    """function.apply(*args) with autocast off; outside the graph while torch.compile traces CUDA tensors."""
-    if device_type == "cuda" and torch.compiler.is_compiling():
-        return _apply_outside_the_graph(function, device_type, *args)
+    """function.apply(*args) with autocast off; outside the graph while torch.compile traces tensors of
+    OUTSIDE_THE_GRAPH's devices (disabled where it is called, as moetrain.models.layers does flex
+    attention: a disabled function made at import would import torch._dynamo at the command's start)."""
+    if device_type in OUTSIDE_THE_GRAPH and torch.compiler.is_compiling():
+        return torch.compiler.disable(_apply_without_autocast)(function, device_type, *args)
     return _apply_without_autocast(function, device_type, *args)
 
 

@@ -590,6 +590,22 @@ def test_a_compiled_fp8_model_has_the_eager_gradients_on_the_cpu():
         assert grad.norm() > 0 and _rel(compiled[name], grad) < 1e-2, name
 
 
+def test_fp8_gemms_run_outside_the_compiled_graph_with_the_eager_gradients(monkeypatch):
+    """The CUDA arrangement (each FP8 GEMM's autograd.Function outside the compiled graph), tried on
+    the CPU: a graph break at each GEMM, and the eager gradients."""
+    import torch._dynamo
+
+    from moetrain.precision import fp8_matmul
+
+    monkeypatch.setattr(fp8_matmul, "OUTSIDE_THE_GRAPH", ("cpu",))
+    torch._dynamo.reset()
+    (eager_loss, eager), (compiled_loss, compiled) = _compiled_and_eager_gradients("cpu", "fp8", torch.float32)
+    torch._dynamo.reset()
+    assert torch.allclose(compiled_loss, eager_loss, rtol=1e-5)
+    for name, grad in eager.items():
+        assert grad.norm() > 0 and _rel(compiled[name], grad) < 1e-2, name
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0), reason="no sm90 GPU")
 @pytest.mark.parametrize("precision", ["fp8", "fp8_block"])
