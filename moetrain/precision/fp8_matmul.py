@@ -453,8 +453,7 @@ def fp8_token_matmul(x_TK: torch.Tensor, dest_TK: torch.Tensor, num_rows: int, w
     counts_E = _fp8_counts(precision, wgrad, x_TK.device, w_EKN.size(0), num_rows, counts_E, capacity)
     x_TK = _autocast_input(x_TK)
     return _apply(_FP8TokenMatmul, x_TK.device.type, x_TK.contiguous(), w_EKN, counts_E, dest_TK.contiguous(), num_rows,
-                  precision,
-                                     wgrad, impl)
+                  precision, wgrad, impl)
 
 
 def dequantize_rows_of(precision: str, xq_RK: torch.Tensor, x_scale: torch.Tensor) -> torch.Tensor:
@@ -547,5 +546,4 @@ def fp8_exchanged_matmul(x_TK: torch.Tensor, dest_TK: torch.Tensor, num_rows: in
     counts_E = _fp8_counts(precision, wgrad, x_TK.device, w_EKN.size(0), exchange.received_rows, counts_E, None)
     x_TK = _autocast_input(x_TK)
     return _apply(_FP8ExchangedMatmul, x_TK.device.type, x_TK.contiguous(), w_EKN, counts_E, dest_TK.contiguous(),
-                  num_rows,
-                                         precision, wgrad, impl, exchange)
+                  num_rows, precision, wgrad, impl, exchange)
