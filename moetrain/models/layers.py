@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moetrain.moe import MoELayer, recompute
+from moetrain.ops.graph import outside_the_graph
 
 NORMS = ("rmsnorm", "layernorm")
 
@@ -195,8 +196,7 @@ def attend(q_BNTHd, k_BKSHd, v_BKSHd, mask=None, causal: bool = False, dropout: 
         # Inside a compiled model, flex attention traced into the model's graph returned wrong values
         # for a document mask (torch 2.11, H200), while the kernel compiled apart matches the
         # reference: the model's graph breaks around the call, which runs that kernel.
-        call = torch.compiler.disable(_flex_call) if torch.compiler.is_compiling() else _flex_call
-        return call(q_BNTHd, k_BKSHd, v_BKSHd, mask, scale, gqa)
+        return outside_the_graph(_flex_call)(q_BNTHd, k_BKSHd, v_BKSHd, mask, scale, gqa)
     return F.scaled_dot_product_attention(q_BNTHd, k_BKSHd, v_BKSHd, attn_mask=mask, dropout_p=dropout,
                                           is_causal=causal and mask is None, scale=scale, enable_gqa=gqa)
 

@@ -40,6 +40,7 @@ from moetrain.models.layers import (
     yarn_scaling,
 )
 from moetrain.moe import DenseFeedForward, MoELayer, is_expert_param
+from moetrain.ops.graph import outside_the_graph
 from moetrain.ops.linear_cross_entropy import linear_cross_entropy
 
 ATTENTIONS = ("mha", "mla")
@@ -188,9 +189,10 @@ class MoETransformerLM(nn.Module):
         if targets is None:
             return self.lm_head(self.norm(x_BTD))
         # Inside a compiled model the fused loss runs outside the graph (its own kernel is compiled
-        # apart): the graph ends at the final norm.
-        loss = torch.compiler.disable(linear_cross_entropy) if torch.compiler.is_compiling() else linear_cross_entropy
-        return loss(self.norm(x_BTD), self.lm_head.weight, targets)
+        # apart): the graph ends at the final norm. Always outside: where dynamo falls back on
+        # running this frame eagerly (a graph break in the loop over blocks), it would otherwise
+        # compile the loss's frames, and torch 2.11 fails to trace its addmm(out_dtype=float32).
+        return outside_the_graph(linear_cross_entropy)(self.norm(x_BTD), self.lm_head.weight, targets)
 
 
 def parameter_counts(model: nn.Module) -> tuple[int, int]:

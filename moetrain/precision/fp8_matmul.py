@@ -71,6 +71,7 @@ from __future__ import annotations
 import torch
 
 from moetrain import ops
+from moetrain.ops.graph import outside_the_graph
 from moetrain.ops.grouped import expert_matmul, group_ends
 from moetrain.precision.formats import FP8_BLOCK, dequantize_fp8_blocks, dequantize_fp8_groups
 from moetrain.precision.fp8_quantize import (
@@ -411,18 +412,16 @@ def _apply_without_autocast(function: type[torch.autograd.Function], device_type
 # in the output code of moe_1b5's compiled step the backward quantized a zero-filled buffer in place
 # of the gate-up GEMM's output gradient (and took its weight gradient from it), and the gradient that
 # combine passed back to the experts' output went unused; the loss ran 4-8 % above bf16's, fp8's and
-# fp8_block's curves equal to four decimals, as experts that never train would make them. On CUDA a
-# compiled model therefore runs them outside its graph, as eager runs them (a graph break each);
-# traced on the CPU their gradients are the eager ones (tests/precision/test_fp8_training.py).
-OUTSIDE_THE_GRAPH = ("cuda",)  # the device types whose compiled models run the FP8 GEMMs outside the graph
+# fp8_block's curves equal to four decimals, as experts that never train would make them. On CUDA
+# they therefore run outside any compiled graph, as eager runs them (a graph break each); traced on
+# the CPU their gradients are the eager ones (tests/precision/test_fp8_training.py).
+OUTSIDE_THE_GRAPH = ("cuda",)  # the device types whose FP8 GEMMs torch.compile never traces
 
 
 def _apply(function: type[torch.autograd.Function], device_type: str, *args) -> torch.Tensor:
-    """function.apply(*args) with autocast off; outside the graph while torch.compile traces tensors of
-    OUTSIDE_THE_GRAPH's devices (disabled where it is called, as moetrain.models.layers does flex
-    attention: a disabled function made at import would import torch._dynamo at the command's start)."""
-    if device_type in OUTSIDE_THE_GRAPH and torch.compiler.is_compiling():
-        return torch.compiler.disable(_apply_without_autocast)(function, device_type, *args)
+    """function.apply(*args) with autocast off, outside torch.compile's graph on OUTSIDE_THE_GRAPH's devices."""
+    if device_type in OUTSIDE_THE_GRAPH:
+        return outside_the_graph(_apply_without_autocast)(function, device_type, *args)
     return _apply_without_autocast(function, device_type, *args)
 
 

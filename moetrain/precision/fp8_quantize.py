@@ -54,10 +54,24 @@ def quantize_weight(w_EKN: torch.Tensor, over: int) -> tuple[torch.Tensor, torch
 def quantize_rows(x_RK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """E4M3 values [R, K] and one fp32 scale per row [R]."""
     if x_RK.is_cuda:
-        q_RK, scale_R1 = kernels.quantize_fp8(x_RK.contiguous(), x_RK.size(1))
+        q_RK, scale_R1 = _quantize_row_groups_cuda(x_RK.contiguous(), x_RK.size(1))
     else:
         q_RK, scale_R1 = quantize_fp8_groups(x_RK, max(1, x_RK.size(1)))
     return q_RK, scale_R1.view(-1)
+
+
+# The row quantizer as an operator, so that torch.compile sees one opaque call with the shapes below
+# rather than tracing a Triton launch that writes into a uint8 buffer it then views as E4M3.
+@torch.library.custom_op("moetrain::fp8_quantize_row_groups", mutates_args=(), device_types="cuda")
+def _quantize_row_groups_cuda(x_RK: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return kernels.quantize_fp8(x_RK, group)
+
+
+@_quantize_row_groups_cuda.register_fake
+def _(x_RK, group):
+    rows, k = x_RK.shape
+    return (x_RK.new_empty(rows, k, dtype=torch.float8_e4m3fn),
+            x_RK.new_empty(rows, -(-k // max(1, min(group, k))), dtype=torch.float32))
 
 
 def padded_ends(counts_E: torch.Tensor) -> torch.Tensor:
@@ -299,7 +313,7 @@ def quantize_row_tiles(x_RK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """E4M3 values [R, K] and fp32 scales [R, Kb]: one scale per row and 128 consecutive columns
     (1x128 tiles: x for the forward, dy for dgrad)."""
     if x_RK.is_cuda:
-        return kernels.quantize_fp8(x_RK.contiguous(), FP8_BLOCK)
+        return _quantize_row_groups_cuda(x_RK.contiguous(), FP8_BLOCK)
     return quantize_fp8_groups(x_RK, FP8_BLOCK)
 
 
