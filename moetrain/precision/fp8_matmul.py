@@ -283,27 +283,68 @@ def _grad_weight(precision: str, x_RK: torch.Tensor, dy_RN: torch.Tensor, counts
     return columns_matmul(xq_KP, x_scale_EK, dyq_NP, dy_scale_EN, counts_E)
 
 
-class _FP8ExpertMatmul(torch.autograd.Function):
-    """The three GEMMs of the module docstring, in either recipe. Only x, w and the counts are kept
-    for backward: each GEMM quantizes its operands in the layout and scaling it needs."""
+# ---------------------------------------------------------------- autograd
+#
+# The FP8 GEMMs are custom operators with their gradients registered (torch.library), not
+# autograd.Functions: torch.compile keeps each one whole in the model's graph, as one opaque call,
+# and differentiates it by the registered formula. Traced as autograd.Functions (torch 2.11, H200)
+# the GEMMs lost their gradients: the compiled backward quantized a zero-filled buffer in place of
+# the gate-up GEMM's output gradient, and the loss ran as if the experts never trained. Only x, w
+# and the counts are kept for backward: each GEMM quantizes its operands in the layout and scaling
+# it needs.
 
-    @staticmethod
-    def forward(ctx, x_RK, w_EKN, counts_E, precision, wgrad):
-        xq_RK, x_scale = _quantize_rows_of(precision, x_RK)
-        ctx.save_for_backward(x_RK, w_EKN, counts_E)
-        ctx.precision, ctx.wgrad = precision, wgrad
-        return _forward_gemm(precision, xq_RK, x_scale, w_EKN, counts_E).to(x_RK.dtype)
 
-    @staticmethod
-    def backward(ctx, dy_RN):
-        x_RK, w_EKN, counts_E = ctx.saved_tensors
-        dy_RN = dy_RN.contiguous()
-        grad_x = grad_w = None
-        if ctx.needs_input_grad[0]:
-            grad_x = _grad_input(ctx.precision, dy_RN, w_EKN, counts_E).to(x_RK.dtype)
-        if ctx.needs_input_grad[1]:
-            grad_w = _grad_weight(ctx.precision, x_RK, dy_RN, counts_E, ctx.wgrad).to(w_EKN.dtype)
-        return grad_x, grad_w, None, None, None
+@torch.library.custom_op("moetrain::fp8_grad_input", mutates_args=())
+def _grad_input_op(dy_RN: torch.Tensor, w_EKN: torch.Tensor, counts_E: torch.Tensor, precision: str) -> torch.Tensor:
+    return _grad_input(precision, dy_RN, w_EKN, counts_E)
+
+
+@_grad_input_op.register_fake
+def _(dy_RN, w_EKN, counts_E, precision):
+    return dy_RN.new_empty((dy_RN.size(0), w_EKN.size(1)), dtype=torch.bfloat16)
+
+
+@torch.library.custom_op("moetrain::fp8_grad_weight", mutates_args=())
+def _grad_weight_op(x_RK: torch.Tensor, dy_RN: torch.Tensor, counts_E: torch.Tensor, precision: str,
+                    wgrad: str) -> torch.Tensor:
+    return _grad_weight(precision, x_RK, dy_RN, counts_E, wgrad)
+
+
+@_grad_weight_op.register_fake
+def _(x_RK, dy_RN, counts_E, precision, wgrad):
+    return x_RK.new_empty((counts_E.size(0), x_RK.size(1), dy_RN.size(1)), dtype=torch.bfloat16)
+
+
+@torch.library.custom_op("moetrain::fp8_expert_matmul", mutates_args=())
+def _expert_matmul_op(x_RK: torch.Tensor, w_EKN: torch.Tensor, counts_E: torch.Tensor, precision: str,
+                      wgrad: str) -> torch.Tensor:
+    xq_RK, x_scale = _quantize_rows_of(precision, x_RK)
+    return _forward_gemm(precision, xq_RK, x_scale, w_EKN, counts_E).to(x_RK.dtype)
+
+
+@_expert_matmul_op.register_fake
+def _(x_RK, w_EKN, counts_E, precision, wgrad):
+    return x_RK.new_empty((x_RK.size(0), w_EKN.size(2)))
+
+
+def _expert_matmul_setup(ctx, inputs, output) -> None:
+    x_RK, w_EKN, counts_E, precision, wgrad = inputs
+    ctx.save_for_backward(x_RK, w_EKN, counts_E)
+    ctx.precision, ctx.wgrad = precision, wgrad
+
+
+def _expert_matmul_backward(ctx, dy_RN):
+    x_RK, w_EKN, counts_E = ctx.saved_tensors
+    dy_RN = dy_RN.contiguous()
+    grad_x = grad_w = None
+    if ctx.needs_input_grad[0]:
+        grad_x = _grad_input_op(dy_RN, w_EKN, counts_E, ctx.precision).to(x_RK.dtype)
+    if ctx.needs_input_grad[1]:
+        grad_w = _grad_weight_op(x_RK, dy_RN, counts_E, ctx.precision, ctx.wgrad).to(w_EKN.dtype)
+    return grad_x, grad_w, None, None, None
+
+
+_expert_matmul_op.register_autograd(_expert_matmul_backward, setup_context=_expert_matmul_setup)
 
 
 def _source_rows(dest_TK: torch.Tensor, num_rows: int) -> torch.Tensor:
@@ -349,32 +390,43 @@ def _quantized_copies(precision: str, x_TK: torch.Tensor, source_R: torch.Tensor
     return _gather_rows(xq_TK, source_R, 0.0), _gather_rows(x_scale_T, source_R, 1.0)
 
 
-class _FP8TokenMatmul(torch.autograd.Function):
-    """_FP8ExpertMatmul on rows that are copies of tokens (TokenRows): each token is quantized
-    once, before dispatch, and its FP8 values and scales are gathered into the expert layout (half
-    a bf16 dispatch's bytes; a token's copies quantize alike, so the GEMM's operands are the same bit
-    for bit). Backward sums the copies' input gradients into their tokens (dispatch's backward), and
+@torch.library.custom_op("moetrain::fp8_token_matmul", mutates_args=())
+def _token_matmul_op(x_TK: torch.Tensor, w_EKN: torch.Tensor, counts_E: torch.Tensor, dest_TK: torch.Tensor,
+                     num_rows: int, precision: str, wgrad: str, impl: str) -> torch.Tensor:
+    """_expert_matmul_op on rows that are copies of tokens (TokenRows): each token is quantized once,
+    before dispatch, and its FP8 values and scales are gathered into the expert layout (half a bf16
+    dispatch's bytes; a token's copies quantize alike, so the GEMM's operands are the same bit for
+    bit). Backward sums the copies' input gradients into their tokens (dispatch's backward), and
     dispatches the tokens again for the weight gradient instead of keeping the bf16 rows."""
+    xq_RK, x_scale_R = _quantized_copies(precision, x_TK, _source_rows(dest_TK, num_rows))
+    return _forward_gemm(precision, xq_RK, x_scale_R, w_EKN, counts_E).to(x_TK.dtype)
 
-    @staticmethod
-    def forward(ctx, x_TK, w_EKN, counts_E, dest_TK, num_rows, precision, wgrad, impl):
-        xq_RK, x_scale_R = _quantized_copies(precision, x_TK, _source_rows(dest_TK, num_rows))
-        ctx.save_for_backward(x_TK, w_EKN, counts_E, dest_TK)
-        ctx.num_rows, ctx.precision, ctx.wgrad, ctx.impl = num_rows, precision, wgrad, impl
-        return _forward_gemm(precision, xq_RK, x_scale_R, w_EKN, counts_E).to(x_TK.dtype)
 
-    @staticmethod
-    def backward(ctx, dy_RN):
-        x_TK, w_EKN, counts_E, dest_TK = ctx.saved_tensors
-        dy_RN = dy_RN.contiguous()
-        grad_x = grad_w = None
-        if ctx.needs_input_grad[0]:
-            grad_x = ops.sum_copies(_grad_input(ctx.precision, dy_RN, w_EKN, counts_E).to(x_TK.dtype), dest_TK,
-                                    ctx.impl)
-        if ctx.needs_input_grad[1]:
-            x_RK = ops.dispatch(x_TK, dest_TK, ctx.num_rows, impl=ctx.impl)
-            grad_w = _grad_weight(ctx.precision, x_RK, dy_RN, counts_E, ctx.wgrad).to(w_EKN.dtype)
-        return grad_x, grad_w, None, None, None, None, None, None
+@_token_matmul_op.register_fake
+def _(x_TK, w_EKN, counts_E, dest_TK, num_rows, precision, wgrad, impl):
+    return x_TK.new_empty((num_rows, w_EKN.size(2)))
+
+
+def _token_matmul_setup(ctx, inputs, output) -> None:
+    x_TK, w_EKN, counts_E, dest_TK, num_rows, precision, wgrad, impl = inputs
+    ctx.save_for_backward(x_TK, w_EKN, counts_E, dest_TK)
+    ctx.num_rows, ctx.precision, ctx.wgrad, ctx.impl = num_rows, precision, wgrad, impl
+
+
+def _token_matmul_backward(ctx, dy_RN):
+    x_TK, w_EKN, counts_E, dest_TK = ctx.saved_tensors
+    dy_RN = dy_RN.contiguous()
+    grad_x = grad_w = None
+    if ctx.needs_input_grad[0]:
+        dx_RK = _grad_input_op(dy_RN, w_EKN, counts_E, ctx.precision).to(x_TK.dtype)
+        grad_x = ops.sum_copies(dx_RK, dest_TK, ctx.impl)
+    if ctx.needs_input_grad[1]:
+        x_RK = ops.dispatch(x_TK, dest_TK, ctx.num_rows, impl=ctx.impl)
+        grad_w = _grad_weight_op(x_RK, dy_RN, counts_E, ctx.precision, ctx.wgrad).to(w_EKN.dtype)
+    return grad_x, grad_w, None, None, None, None, None, None
+
+
+_token_matmul_op.register_autograd(_token_matmul_backward, setup_context=_token_matmul_setup)
 
 
 def _padded_rows(counts_E: torch.Tensor, num_rows: int) -> int:
@@ -403,28 +455,6 @@ def _fp8_counts(precision: str, wgrad: str, device: torch.device, num_experts: i
     return counts_E
 
 
-def _apply_without_autocast(function: type[torch.autograd.Function], device_type: str, *args) -> torch.Tensor:
-    with torch.autocast(device_type, enabled=False):
-        return function.apply(*args)
-
-
-# Traced by torch.compile on CUDA (torch 2.11, H200), these autograd.Functions lost their gradients:
-# in the output code of moe_1b5's compiled step the backward quantized a zero-filled buffer in place
-# of the gate-up GEMM's output gradient (and took its weight gradient from it), and the gradient that
-# combine passed back to the experts' output went unused; the loss ran 4-8 % above bf16's, fp8's and
-# fp8_block's curves equal to four decimals, as experts that never train would make them. On CUDA
-# they therefore run outside any compiled graph, as eager runs them (a graph break each); traced on
-# the CPU their gradients are the eager ones (tests/precision/test_fp8_training.py).
-OUTSIDE_THE_GRAPH = ("cuda",)  # the device types whose FP8 GEMMs torch.compile never traces
-
-
-def _apply(function: type[torch.autograd.Function], device_type: str, *args) -> torch.Tensor:
-    """function.apply(*args) with autocast off, outside torch.compile's graph on OUTSIDE_THE_GRAPH's devices."""
-    if device_type in OUTSIDE_THE_GRAPH:
-        return outside_the_graph(_apply_without_autocast)(function, device_type, *args)
-    return _apply_without_autocast(function, device_type, *args)
-
-
 def _autocast_input(x: torch.Tensor) -> torch.Tensor:
     if torch.is_autocast_enabled(x.device.type):
         return x.to(torch.get_autocast_dtype(x.device.type))
@@ -439,7 +469,8 @@ def fp8_expert_matmul(x_RK: torch.Tensor, w_EKN: torch.Tensor, counts_E: torch.T
     layouts and arguments as moetrain.ops.grouped.expert_matmul."""
     counts_E = _fp8_counts(precision, wgrad, x_RK.device, w_EKN.size(0), x_RK.size(0), counts_E, capacity)
     x_RK = _autocast_input(x_RK)
-    return _apply(_FP8ExpertMatmul, x_RK.device.type, x_RK, w_EKN, counts_E, precision, wgrad)
+    with torch.autocast(x_RK.device.type, enabled=False):
+        return _expert_matmul_op(x_RK, w_EKN, counts_E, precision, wgrad)
 
 
 def fp8_token_matmul(x_TK: torch.Tensor, dest_TK: torch.Tensor, num_rows: int, w_EKN: torch.Tensor,
@@ -447,12 +478,13 @@ def fp8_token_matmul(x_TK: torch.Tensor, dest_TK: torch.Tensor, num_rows: int, w
                      impl: str = "kernel", wgrad: str = "bf16") -> torch.Tensor:
     """fp8_expert_matmul of the expert-major rows that dispatch (moetrain.ops.dispatch(x_TK,
     dest_TK, num_rows, impl)) would make, without making them: each token is quantized once and
-    its FP8 rows gathered (_FP8TokenMatmul). The same result and gradients bit for bit; the input
+    its FP8 rows gathered (_token_matmul_op). The same result and gradients bit for bit; the input
     gradient is in token order, [T, K]."""
     counts_E = _fp8_counts(precision, wgrad, x_TK.device, w_EKN.size(0), num_rows, counts_E, capacity)
     x_TK = _autocast_input(x_TK)
-    return _apply(_FP8TokenMatmul, x_TK.device.type, x_TK.contiguous(), w_EKN, counts_E, dest_TK.contiguous(), num_rows,
-                  precision, wgrad, impl)
+    with torch.autocast(x_TK.device.type, enabled=False):
+        return _token_matmul_op(x_TK.contiguous(), w_EKN, counts_E, dest_TK.contiguous(), num_rows, precision,
+                                wgrad, impl)
 
 
 def dequantize_rows_of(precision: str, xq_RK: torch.Tensor, x_scale: torch.Tensor) -> torch.Tensor:
@@ -499,7 +531,7 @@ def _unpack_rows(packed_RB: torch.Tensor, k: int, precision: str) -> tuple[torch
 
 
 class _FP8ExchangedMatmul(torch.autograd.Function):
-    """_FP8TokenMatmul across ranks (expert parallelism): each token is quantized once, on its own
+    """_token_matmul_op across ranks (expert parallelism): each token is quantized once, on its own
     rank, and its E4M3 rows travel to their experts' ranks with their scales, packed as bytes in one
     exchange: K + 4 bytes a row ("fp8"; K + 4 K/128 for "fp8_block") against 2 K for bf16. The
     forward GEMM multiplies them as received: the same operands, bit for bit, as in one process.
@@ -533,6 +565,11 @@ class _FP8ExchangedMatmul(torch.autograd.Function):
         return grad_x, grad_w, None, None, None, None, None, None, None
 
 
+def _apply_without_autocast(function: type[torch.autograd.Function], *args) -> torch.Tensor:
+    with torch.autocast(args[0].device.type, enabled=False):
+        return function.apply(*args)
+
+
 def fp8_exchanged_matmul(x_TK: torch.Tensor, dest_TK: torch.Tensor, num_rows: int, exchange, w_EKN: torch.Tensor,
                          counts_E: torch.Tensor | list[int], precision: str = "fp8",
                          impl: str = "kernel", wgrad: str = "bf16") -> torch.Tensor:
@@ -544,5 +581,8 @@ def fp8_exchanged_matmul(x_TK: torch.Tensor, dest_TK: torch.Tensor, num_rows: in
     gradient is in token order, [T, K]."""
     counts_E = _fp8_counts(precision, wgrad, x_TK.device, w_EKN.size(0), exchange.received_rows, counts_E, None)
     x_TK = _autocast_input(x_TK)
-    return _apply(_FP8ExchangedMatmul, x_TK.device.type, x_TK.contiguous(), w_EKN, counts_E, dest_TK.contiguous(),
-                  num_rows, precision, wgrad, impl, exchange)
+    # The exchange is no tensor, so this autograd.Function cannot be an operator: on CUDA, where
+    # torch.compile lost the FP8 GEMMs' gradients when it traced them, it runs outside the graph.
+    apply = outside_the_graph(_apply_without_autocast) if x_TK.is_cuda else _apply_without_autocast
+    return apply(_FP8ExchangedMatmul, x_TK.contiguous(), w_EKN, counts_E, dest_TK.contiguous(), num_rows, precision,
+                 wgrad, impl, exchange)
