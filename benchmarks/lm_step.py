@@ -16,8 +16,8 @@ balance loss at the preset's weight) and the same optimizer:
 
 A variant is SYSTEM[:COMPILE][:PRECISION][:LOSS]: SYSTEM moetrain or transformers; COMPILE model (the whole
 model and the loss, as the trainer compiles them; the default), blocks (each transformer block /
-decoder layer and the loss) or none; PRECISION bf16 (default) or fp8 (moetrain's expert GEMMs in FP8,
-as trainer.precision=fp8); LOSS, moetrain only: fused (the default, as trainer.fused_loss=true: the
+decoder layer and the loss) or none; PRECISION bf16 (default) or fp8 (moetrain's expert GEMMs and its
+blocks' dense linears in FP8, as trainer.precision=fp8); LOSS, moetrain only: fused (the default, as trainer.fused_loss=true: the
 model's forward with targets, the head and the loss chunk by chunk, no logits kept) or logits (the
 logits, then the compiled loss, as transformers is measured). moetrain runs under bf16 autocast, as
 the trainer does.
@@ -44,7 +44,7 @@ import torch.nn.functional as F
 
 from moetrain.models.lm import flops_per_token
 from moetrain.models.presets import PRESETS, build_lm
-from moetrain.moe import moe_layers, set_parameter_dtype, update_router_biases
+from moetrain.moe import moe_layers, set_parameter_dtype, set_training_precision, update_router_biases
 from moetrain.timing import peak_bf16_flops, step_times_ms
 from moetrain.train.optim import MasterWeightAdamW
 
@@ -82,8 +82,7 @@ def build(system: str, compile_mode: str, precision: str, fused: bool, preset: s
         with torch.device(device):
             model = build_lm(preset, max_seq_len=seq_len)
         set_parameter_dtype(model, torch.bfloat16)
-        for layer in moe_layers(model):
-            layer.precision = precision
+        set_training_precision(model, precision)
         layers = moe_layers(model)
         if compile_mode == "blocks":
             for block in model.blocks:

@@ -39,10 +39,10 @@ from moetrain.config import (
     Device, FP8Wgrad, LoggerConfig, NonFinite, OptimConfig, ParamDtype, Precision, SettingError, TrainerConfig,
 )
 from moetrain.data import DataModule, unpack_batch
-from moetrain.moe import MoELayer, moe_layers, set_activation_checkpointing, set_parameter_dtype, update_router_biases
+from moetrain.moe import (
+    MoELayer, moe_layers, set_activation_checkpointing, set_parameter_dtype, set_training_precision, update_router_biases,
+)
 from moetrain.ops.linear_cross_entropy import IGNORE_INDEX  # targets that are not scored
-from moetrain.moe.recompute import CheckpointedBlock
-from moetrain.precision.fp8_linear import use_fp8_linears
 from moetrain.precision.fp8_matmul import fp8_supported
 from moetrain.timing import anatomy_markdown, profiled_kernels, step_anatomy
 from moetrain.train import checkpoint
@@ -126,14 +126,7 @@ class Trainer:
             if not supported:
                 raise SettingError(f"TrainerConfig.precision={trainer.precision.value!r} needs an sm90+ GPU or the "
                                    f"CPU, not {why}; use TrainerConfig.precision='bf16'")
-            for layer in moe_layers(model):
-                layer.precision = trainer.precision.value
-                layer.fp8_wgrad = (trainer.fp8_wgrad or FP8Wgrad.bf16).value
-            if trainer.precision == Precision.fp8:
-                # the blocks' dense linears (attention projections, dense FFNs, shared experts) in
-                # row-wise FP8 too; embeddings, routers and output heads stay in the compute dtype
-                for block in [m for m in model.modules() if isinstance(m, CheckpointedBlock)]:
-                    use_fp8_linears(block)
+            set_training_precision(model, trainer.precision.value, (trainer.fp8_wgrad or FP8Wgrad.bf16).value)
         elif trainer.fp8_wgrad is not None:
             raise SettingError(f"TrainerConfig.fp8_wgrad={trainer.fp8_wgrad.value!r} applies only with precision fp8 "
                                f"or fp8_block, not with TrainerConfig.precision={trainer.precision.value!r}; leave "
