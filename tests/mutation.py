@@ -274,12 +274,14 @@ MUTANTS = [
 
 
 def copy_tree(target: Path) -> None:
-    """The package laid out as the installed one imports it: conf, recipes and csrc inside moetrain/."""
+    """The package laid out as the installed one imports it (conf, recipes and csrc inside moetrain/),
+    the tests and the benchmarks."""
     ignore = shutil.ignore_patterns("__pycache__", "*.pyc", "build")
     shutil.copytree(ROOT / "moetrain", target / "moetrain", ignore=ignore)
     for name in ("conf", "recipes", "csrc"):
         shutil.copytree(ROOT / name, target / "moetrain" / name, ignore=ignore)
     shutil.copytree(ROOT / "tests", target / "tests", ignore=ignore)
+    shutil.copytree(ROOT / "benchmarks", target / "benchmarks", ignore=ignore)  # the benchmarks' tests import them
     shutil.copy2(ROOT / "pyproject.toml", target / "pyproject.toml")
 
 
