@@ -291,12 +291,13 @@ def _grad_weight(precision: str, x_RK: torch.Tensor, dy_RN: torch.Tensor, counts
 # the GEMMs lost their gradients: the compiled backward quantized a zero-filled buffer in place of
 # the gate-up GEMM's output gradient, and the loss ran as if the experts never trained. Only x, w
 # and the counts are kept for backward: each GEMM quantizes its operands in the layout and scaling
-# it needs.
+# it needs. Each operator returns contiguous tensors, the layout its fake (shape-only) version
+# promises the compiler.
 
 
 @torch.library.custom_op("moetrain::fp8_grad_input", mutates_args=())
 def _grad_input_op(dy_RN: torch.Tensor, w_EKN: torch.Tensor, counts_E: torch.Tensor, precision: str) -> torch.Tensor:
-    return _grad_input(precision, dy_RN, w_EKN, counts_E)
+    return _grad_input(precision, dy_RN, w_EKN, counts_E).contiguous()
 
 
 @_grad_input_op.register_fake
@@ -307,7 +308,7 @@ def _(dy_RN, w_EKN, counts_E, precision):
 @torch.library.custom_op("moetrain::fp8_grad_weight", mutates_args=())
 def _grad_weight_op(x_RK: torch.Tensor, dy_RN: torch.Tensor, counts_E: torch.Tensor, precision: str,
                     wgrad: str) -> torch.Tensor:
-    return _grad_weight(precision, x_RK, dy_RN, counts_E, wgrad)
+    return _grad_weight(precision, x_RK, dy_RN, counts_E, wgrad).contiguous()
 
 
 @_grad_weight_op.register_fake
@@ -319,7 +320,7 @@ def _(x_RK, dy_RN, counts_E, precision, wgrad):
 def _expert_matmul_op(x_RK: torch.Tensor, w_EKN: torch.Tensor, counts_E: torch.Tensor, precision: str,
                       wgrad: str) -> torch.Tensor:
     xq_RK, x_scale = _quantize_rows_of(precision, x_RK)
-    return _forward_gemm(precision, xq_RK, x_scale, w_EKN, counts_E).to(x_RK.dtype)
+    return _forward_gemm(precision, xq_RK, x_scale, w_EKN, counts_E).to(x_RK.dtype).contiguous()
 
 
 @_expert_matmul_op.register_fake
@@ -399,7 +400,7 @@ def _token_matmul_op(x_TK: torch.Tensor, w_EKN: torch.Tensor, counts_E: torch.Te
     bit). Backward sums the copies' input gradients into their tokens (dispatch's backward), and
     dispatches the tokens again for the weight gradient instead of keeping the bf16 rows."""
     xq_RK, x_scale_R = _quantized_copies(precision, x_TK, _source_rows(dest_TK, num_rows))
-    return _forward_gemm(precision, xq_RK, x_scale_R, w_EKN, counts_E).to(x_TK.dtype)
+    return _forward_gemm(precision, xq_RK, x_scale_R, w_EKN, counts_E).to(x_TK.dtype).contiguous()
 
 
 @_token_matmul_op.register_fake
