@@ -9,9 +9,8 @@ The same row-wise recipe as the experts' "fp8" (M rows, K input features, N outp
   dgrad    dx_MK = dy_MN w_NK   row of dy (token), over N       column k of w, over N
   wgrad    dw_NK = dy_MN^T x_MK in bf16 (a scale per row cannot be taken out of a sum over rows)
 
-Every quantization is plain torch (moetrain.precision.formats' E4M3 arithmetic), so that under
-torch.compile the row maxima and the casts fuse into the kernels that make x and dy (the norm
-before a projection, attention's output, the gradient's producer); the GEMMs are
+The rows are quantized by the experts' row quantizer (moetrain.precision.fp8_quantize.quantize_rows:
+one Triton pass on CUDA, moetrain.precision.formats' E4M3 arithmetic bit for bit); the GEMMs are
 torch._scaled_mm on CUDA (fp32 accumulation, fp32 scales in the epilogue, bf16 out). On the CPU
 the GEMMs are emulated: the same E4M3 operands, dequantized and multiplied in fp32, rounded to
 bf16. Only x (in the compute dtype) and w are kept for backward, as for a bf16 linear.
@@ -23,14 +22,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moetrain.precision.formats import quantize_fp8_groups
+from moetrain.precision.fp8_quantize import quantize_rows
 
 ALIGN = 16  # torch._scaled_mm's operands: K and N multiples of 16 (M is padded here)
-
-
-def _quantize_rows(x_MK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """E4M3 values [M, K] (row-major) and one fp32 scale per row [M, 1]."""
-    return quantize_fp8_groups(x_MK.contiguous(), max(1, x_MK.size(1)))
 
 
 def _fp8_matmul(a_MK: torch.Tensor, b_NK: torch.Tensor) -> torch.Tensor:
@@ -38,34 +32,54 @@ def _fp8_matmul(a_MK: torch.Tensor, b_NK: torch.Tensor) -> torch.Tensor:
     rows = a_MK.size(0)
     if a_MK.is_cuda:
         padded = -(-rows // ALIGN) * ALIGN  # _scaled_mm wants every dimension a multiple of 16
-        aq_MK, a_scale_M1 = _quantize_rows(F.pad(a_MK, (0, 0, 0, padded - rows)) if padded != rows else a_MK)
-        bq_NK, b_scale_N1 = _quantize_rows(b_NK)
-        y_MN = torch._scaled_mm(aq_MK, bq_NK.t(), scale_a=a_scale_M1, scale_b=b_scale_N1.t(),
+        aq_MK, a_scale_M = quantize_rows(F.pad(a_MK, (0, 0, 0, padded - rows)) if padded != rows else a_MK)
+        bq_NK, b_scale_N = quantize_rows(b_NK.contiguous())
+        y_MN = torch._scaled_mm(aq_MK, bq_NK.t(), scale_a=a_scale_M.unsqueeze(1), scale_b=b_scale_N.unsqueeze(0),
                                 out_dtype=torch.bfloat16)
         return y_MN[:rows] if padded != rows else y_MN
-    (aq_MK, a_scale_M1), (bq_NK, b_scale_N1) = _quantize_rows(a_MK), _quantize_rows(b_NK)
-    return ((aq_MK.float() * a_scale_M1) @ (bq_NK.float() * b_scale_N1).t()).to(torch.bfloat16)
+    (aq_MK, a_scale_M), (bq_NK, b_scale_N) = quantize_rows(a_MK), quantize_rows(b_NK.contiguous())
+    return ((aq_MK.float() * a_scale_M.unsqueeze(1)) @ (bq_NK.float() * b_scale_N.unsqueeze(1)).t()).to(torch.bfloat16)
 
 
-class _FP8Linear(torch.autograd.Function):
-    """y = x w^T with the forward and dgrad GEMMs in FP8 (module docstring); x [M, K] and w [N, K]
-    in the compute dtype."""
+# The two FP8 GEMMs are custom operators, their gradient registered with the forward's: torch.compile
+# keeps each one whole in the graph. Written as an autograd.Function of plain torch quantizers and
+# torch._scaled_mm and traced by torch.compile (torch 2.11, H100), the input gradient came out zero.
+@torch.library.custom_op("moetrain::fp8_linear", mutates_args=())
+def _linear_op(x_MK: torch.Tensor, w_NK: torch.Tensor) -> torch.Tensor:
+    return _fp8_matmul(x_MK, w_NK).to(x_MK.dtype).contiguous()
 
-    @staticmethod
-    def forward(ctx, x_MK: torch.Tensor, w_NK: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(x_MK, w_NK)
-        return _fp8_matmul(x_MK, w_NK).to(x_MK.dtype)
 
-    @staticmethod
-    def backward(ctx, dy_MN: torch.Tensor):
-        x_MK, w_NK = ctx.saved_tensors
-        grad_x = grad_w = None
-        if ctx.needs_input_grad[0]:
-            # the second operand is w^T [K, N], quantized per row k over N
-            grad_x = _fp8_matmul(dy_MN, w_NK.t()).to(x_MK.dtype)
-        if ctx.needs_input_grad[1]:
-            grad_w = (dy_MN.to(x_MK.dtype).t() @ x_MK).to(w_NK.dtype)
-        return grad_x, grad_w
+@_linear_op.register_fake
+def _(x_MK, w_NK):
+    return x_MK.new_empty((x_MK.size(0), w_NK.size(0)))
+
+
+@torch.library.custom_op("moetrain::fp8_linear_grad_input", mutates_args=())
+def _linear_grad_input_op(dy_MN: torch.Tensor, w_NK: torch.Tensor) -> torch.Tensor:
+    # the second operand is w^T [K, N], quantized per row k over N
+    return _fp8_matmul(dy_MN, w_NK.t()).contiguous()
+
+
+@_linear_grad_input_op.register_fake
+def _(dy_MN, w_NK):
+    return dy_MN.new_empty((dy_MN.size(0), w_NK.size(1)), dtype=torch.bfloat16)
+
+
+def _linear_setup(ctx, inputs, output) -> None:
+    ctx.save_for_backward(*inputs)
+
+
+def _linear_backward(ctx, dy_MN: torch.Tensor):
+    x_MK, w_NK = ctx.saved_tensors
+    grad_x = grad_w = None
+    if ctx.needs_input_grad[0]:
+        grad_x = _linear_grad_input_op(dy_MN.contiguous(), w_NK).to(x_MK.dtype)
+    if ctx.needs_input_grad[1]:
+        grad_w = (dy_MN.to(x_MK.dtype).t() @ x_MK).to(w_NK.dtype)
+    return grad_x, grad_w
+
+
+_linear_op.register_autograd(_linear_backward, setup_context=_linear_setup)
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -76,7 +90,7 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
     with torch.autocast(device, enabled=False):
         x_MK = x.reshape(-1, x.size(-1)).to(dtype)
-        y_MN = _FP8Linear.apply(x_MK, weight.to(dtype))
+        y_MN = _linear_op(x_MK.contiguous(), weight.to(dtype))
         if bias is not None:
             y_MN = y_MN + bias.to(dtype)
     return y_MN.view(*x.shape[:-1], weight.size(0))
