@@ -16,8 +16,8 @@ balance loss at the preset's weight) and the same optimizer:
 
 A variant is SYSTEM[:COMPILE][:PRECISION][:LOSS]: SYSTEM moetrain or transformers; COMPILE model (the whole
 model and the loss, as the trainer compiles them; the default), blocks (each transformer block /
-decoder layer and the loss) or none; PRECISION bf16 (default) or fp8 (moetrain's expert GEMMs and its
-blocks' dense linears in FP8, as trainer.precision=fp8); LOSS, moetrain only: fused (the default, as trainer.fused_loss=true: the
+decoder layer and the loss) or none; PRECISION bf16 (default) or fp8 (moetrain's expert GEMMs in FP8,
+as trainer.precision=fp8); LOSS, moetrain only: fused (the default, as trainer.fused_loss=true: the
 model's forward with targets, the head and the loss chunk by chunk, no logits kept) or logits (the
 logits, then the compiled loss, as transformers is measured). moetrain runs under bf16 autocast, as
 the trainer does.

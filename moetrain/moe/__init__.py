@@ -8,7 +8,6 @@ from torch import nn
 from moetrain.moe.experts import EXPERTS, DenseFeedForward, Experts, FFNExperts, SwiGLUExperts, is_expert_param
 from moetrain.moe.gates import GATES, Gate, GateOutput, register_gate
 from moetrain.moe.layer import MoELayer, RoutingStats, moe_layers, set_activation_checkpointing
-from moetrain.moe.recompute import CheckpointedBlock
 from moetrain.moe.routing import RoutingPlan, make_plan
 from moetrain.moe.cosine_gate import CosineGate
 from moetrain.moe.sigmoid_gate import SigmoidGate
@@ -33,19 +32,12 @@ def set_parameter_dtype(model: nn.Module, dtype: torch.dtype) -> None:
 
 
 def set_training_precision(model: nn.Module, precision: str, fp8_wgrad: str = "bf16") -> None:
-    """How `model` trains its GEMMs: every MoE layer's experts in `precision` ("bf16", "fp8" or
-    "fp8_block"; the weight gradient's GEMM in fp8_wgrad), and with "fp8" the dense linears of every
-    transformer block too (attention projections, dense FFNs, shared experts: row-wise FP8,
-    moetrain.precision.fp8_linear). Embeddings, routers and output heads keep the compute dtype."""
+    """How `model`'s routed experts multiply in training: every MoE layer's GEMMs in `precision`
+    ("bf16", "fp8" or "fp8_block"; moetrain.precision.fp8_matmul), the weight gradient's GEMM in
+    fp8_wgrad. Everything else keeps the compute dtype."""
     for layer in moe_layers(model):
         layer.precision = precision
         layer.fp8_wgrad = fp8_wgrad
-    if precision == "fp8":
-        # Imported here: the dense FP8 GEMMs are never loaded by a bf16 model.
-        from moetrain.precision.fp8_linear import use_fp8_linears  # noqa: PLC0415
-
-        for block in [m for m in model.modules() if isinstance(m, CheckpointedBlock)]:
-            use_fp8_linears(block)
 
 
 def update_router_biases(model: nn.Module) -> None:
