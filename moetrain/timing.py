@@ -133,13 +133,19 @@ def profile_table(step: Callable[[], None], device: torch.device, rows: int = 40
 # Each GPU kernel is put in one part of a language-model step by its name (and, for dense GEMMs, by
 # the shapes of the operator that launched it). The rules are checked in order; the first match wins.
 STEP_PARTS = ("embedding", "attention projections", "attention core", "router", "dispatch/combine",
-              "expert GEMMs", "SwiGLU", "LM head + loss", "norms/rotary/residual", "optimizer",
+              "expert GEMMs", "SwiGLU", "FP8 quantizers", "LM head + loss", "norms/rotary/residual", "optimizer",
               "copies and fills", "other kernels")
+# The profiler region the fused LM head + loss (moetrain.ops.linear_cross_entropy) runs in: its GEMMs
+# cannot be told from a projection's by their shapes alone when the vocabulary size equals the token
+# count (each chunk's GEMMs hold the vocabulary once, as a projection's weight gradient holds the
+# tokens), and its compiled chunk kernel would pass for a norm's.
+LM_HEAD_SCOPE = "moetrain.lm_head_loss"
 _NAME_RULES = (
     ("optimizer", ("adam", "lpnorm", "sgd")),
     ("attention core", ("flash", "fmha", "sdpa", "attention", "attn")),
     ("router", ("router",)),
     ("SwiGLU", ("swiglu",)),
+    ("FP8 quantizers", ("quantize", "column_amax", "fp8_scales")),
     ("expert GEMMs", ("grouped", "groupproblemshape")),
     ("dispatch/combine", ("route_", "invert_plan", "dispatch", "combine", "scatter", "index_add", "gather",
                           "sort", "histc", "bincount", "cumsum")),
@@ -163,9 +169,12 @@ def _is_head_gemm(op_shapes: list, vocab_size: int | None, tokens: int | None) -
 
 
 def kernel_part(name: str, op_shapes: list | None = None, vocab_size: int | None = None,
-                tokens: int | None = None) -> str:
+                tokens: int | None = None, scope: str = "") -> str:
     """The step part of one kernel (STEP_PARTS), from its name and, for a dense GEMM, the operand
-    shapes of the operator that launched it (the LM head's GEMMs have the vocabulary size in them)."""
+    shapes of the operator that launched it (the LM head's GEMMs have the vocabulary size in them);
+    every kernel launched inside the LM_HEAD_SCOPE region is the head's."""
+    if scope == LM_HEAD_SCOPE:
+        return "LM head + loss"
     lowered = name.lower()
     for part, marks in _NAME_RULES:
         if any(mark in lowered for mark in marks):
@@ -177,40 +186,51 @@ def kernel_part(name: str, op_shapes: list | None = None, vocab_size: int | None
     return "other kernels"
 
 
-def profiled_kernels(profiler) -> list[tuple[str, float, list]]:
-    """(kernel name, GPU microseconds, operand shapes of the operator that launched it) for the kernels
-    a finished torch.profiler run recorded on the GPU. Each kernel name's time is the GPU's own total
-    for it, shared out over the operators that launched it (record_shapes=True gives their shapes);
-    kernels launched outside an operator (Triton kernels called from Python) come without shapes."""
+def _scope(event) -> str:
+    """LM_HEAD_SCOPE if the profiled operator `event` ran inside that region, else ""."""
+    while event is not None:
+        if event.name == LM_HEAD_SCOPE:
+            return LM_HEAD_SCOPE
+        event = event.cpu_parent
+    return ""
+
+
+def profiled_kernels(profiler) -> list[tuple[str, float, list, str]]:
+    """(kernel name, GPU microseconds, operand shapes of the operator that launched it, its region:
+    LM_HEAD_SCOPE or "") for the kernels a finished torch.profiler run recorded on the GPU. Each
+    kernel name's time is the GPU's own total for it, shared out over the operators that launched it
+    (record_shapes=True gives their shapes); kernels launched outside an operator (Triton kernels
+    called from Python) come without shapes or region."""
     events = profiler.events()
     device_us: dict[str, float] = {}
     for event in events:
         if event.device_type == torch.autograd.DeviceType.CUDA and not getattr(event, "is_user_annotation", False):
             device_us[event.name] = device_us.get(event.name, 0.0) + event.device_time_total
-    launches: dict[str, list[tuple[float, list]]] = {}
+    launches: dict[str, list[tuple[float, list, str]]] = {}
     for event in events:
         for kernel in getattr(event, "kernels", []):
-            launches.setdefault(kernel.name, []).append((kernel.duration, list(event.input_shapes or [])))
+            launches.setdefault(kernel.name, []).append((kernel.duration, list(event.input_shapes or []),
+                                                         _scope(event)))
     kernels = []
     for name, us in device_us.items():
         linked = launches.get(name, [])
-        linked_us = sum(duration for duration, _ in linked)
+        linked_us = sum(duration for duration, _, _ in linked)
         if linked_us <= 0:
-            kernels.append((name, us, []))
+            kernels.append((name, us, [], ""))
         else:
-            kernels += [(name, us * duration / linked_us, shapes) for duration, shapes in linked]
+            kernels += [(name, us * duration / linked_us, shapes, scope) for duration, shapes, scope in linked]
     return kernels
 
 
-def step_anatomy(kernels: list[tuple[str, float, list]], steps: int, wall_ms: float,
+def step_anatomy(kernels: list[tuple[str, float, list, str]], steps: int, wall_ms: float,
                  vocab_size: int | None = None, tokens: int | None = None) -> dict:
     """Milliseconds per step of each part (STEP_PARTS, plus "idle": the step's wall time minus the GPU's
     busy time) from profiled_kernels over `steps` steps, and the costliest kernels of "other kernels";
     tokens: per micro-batch, which tells the LM head's GEMMs from the others."""
     parts = dict.fromkeys(STEP_PARTS, 0.0)
     unplaced: dict[str, float] = {}
-    for name, us, shapes in kernels:
-        part = kernel_part(name, shapes, vocab_size, tokens)
+    for name, us, shapes, scope in kernels:
+        part = kernel_part(name, shapes, vocab_size, tokens, scope)
         parts[part] += us / 1e3 / steps
         if part == "other kernels":
             unplaced[name] = unplaced.get(name, 0.0) + us / 1e3 / steps

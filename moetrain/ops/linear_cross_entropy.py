@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import torch
 
+from moetrain.timing import LM_HEAD_SCOPE
+
 IGNORE_INDEX = -100
 _CHUNK_ELEMENTS = 1 << 27  # logits per chunk: 128 Mi (256 MiB in bf16)
 
@@ -118,5 +120,6 @@ def linear_cross_entropy(hidden: torch.Tensor, weight_VD: torch.Tensor, targets:
     hidden_ND = hidden.reshape(-1, hidden.shape[-1])
     if chunk_tokens is None:
         chunk_tokens = max(1, _CHUNK_ELEMENTS // weight_VD.shape[0])
-    with torch.autocast(device_type, enabled=False):
+    # the profiler region tells the step's anatomy (moetrain.timing) these kernels are the head's
+    with torch.autocast(device_type, enabled=False), torch.autograd.profiler.record_function(LM_HEAD_SCOPE):
         return _LinearCrossEntropy.apply(hidden_ND, weight_VD, targets.reshape(-1), ignore_index, chunk_tokens)

@@ -68,6 +68,8 @@ def test_kernels_are_placed_by_name():
         "cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma": "attention core",
         "_router_kernel": "router", "router_grad_w_kernel": "router",
         "_swiglu_backward_kernel": "SwiGLU",
+        "_quantize_fp8_kernel": "FP8 quantizers", "_quantize_transposed_kernel": "FP8 quantizers",
+        "_column_amax_kernel": "FP8 quantizers", "_quantize_weight_blocks_kernel": "FP8 quantizers",
         "cutlass::device_kernel<GemmUniversal<GroupProblemShape<...>>>": "expert GEMMs",
         "dispatch_kernel": "dispatch/combine", "combine_backward_kernel": "dispatch/combine",
         "triton_red_fused__log_softmax_nll_loss_forward_3": "LM head + loss",
@@ -80,8 +82,8 @@ def test_kernels_are_placed_by_name():
 
 def test_the_anatomy_adds_up_to_the_step():
     # (name, microseconds over 2 steps, shapes): 10 ms of expert GEMMs, 4 of attention, 2 unknown a step
-    kernels = [("cutlass_GroupProblemShape", 20_000.0, []), ("flash_fwd", 6_000.0, []), ("flash_bwd", 2_000.0, []),
-               ("mystery", 4_000.0, [])]
+    kernels = [("cutlass_GroupProblemShape", 20_000.0, [], ""), ("flash_fwd", 6_000.0, [], ""),
+               ("flash_bwd", 2_000.0, [], ""), ("mystery", 4_000.0, [], "")]
     anatomy = timing.step_anatomy(kernels, steps=2, wall_ms=20.0)
     parts = anatomy["parts_ms"]
     assert parts["expert GEMMs"] == pytest.approx(10.0) and parts["attention core"] == pytest.approx(4.0)
@@ -91,3 +93,36 @@ def test_the_anatomy_adds_up_to_the_step():
     assert anatomy["other_kernels"] == [("mystery", pytest.approx(2.0))]
     table = timing.anatomy_markdown(anatomy)
     assert "| expert GEMMs | 10.0 | 50.0% |" in table and "| idle | 4.0 | 20.0% |" in table
+
+
+def test_kernels_in_the_fused_heads_region_are_the_heads():
+    """The fused LM head + loss runs its chunks' GEMMs and its compiled softmax kernel inside
+    timing.LM_HEAD_SCOPE: they are the head's whatever their shapes or names say (with 32768 tokens
+    and a vocabulary of 32768, a chunk's dgrad GEMM [C, V] x [V, D] has a projection's weight-gradient
+    shape [N, T] x [T, D])."""
+    tokens, D, chunk = VOCAB, 2048, 4096
+    dgrad_chunk = [[chunk, VOCAB], [VOCAB, D]]
+    assert timing.kernel_part("nvjet_tst_128x256", dgrad_chunk, VOCAB, tokens) == "attention projections"
+    for name, shapes in (("nvjet_tst_128x256", dgrad_chunk), ("triton_red_fused_exp_logsumexp_sub_0", [])):
+        assert timing.kernel_part(name, shapes, VOCAB, tokens, timing.LM_HEAD_SCOPE) == "LM head + loss"
+
+
+def test_the_fused_losss_operators_are_found_in_its_region():
+    """On a CPU profile: every operator linear_cross_entropy runs sits inside LM_HEAD_SCOPE (its
+    GEMMs among them), and a matmul before it does not."""
+    import torch
+
+    from moetrain.ops.linear_cross_entropy import linear_cross_entropy
+
+    hidden = torch.randn(64, 32, requires_grad=True)
+    weight = torch.randn(50, 32, requires_grad=True)
+    targets = torch.randint(0, 50, (64,))
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profiler:
+        outside = hidden @ weight.t()
+        linear_cross_entropy(hidden, weight, targets, chunk_tokens=16).backward()
+    events = profiler.events()
+    gemms = ("aten::mm", "aten::addmm", "aten::addmm_")
+    inside_mms = [e for e in events if e.name in gemms and timing._scope(e) == timing.LM_HEAD_SCOPE]
+    assert len(inside_mms) >= 3 * 4  # three GEMMs a chunk, four chunks
+    outside_mms = [e for e in events if e.name in ("aten::mm", "aten::matmul") and timing._scope(e) == ""]
+    assert outside_mms and outside.shape == (64, 50)
