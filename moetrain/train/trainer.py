@@ -40,7 +40,7 @@ from moetrain.config import (
 )
 from moetrain.data import DataModule, unpack_batch
 from moetrain.moe import (
-    MoELayer, moe_layers, set_activation_checkpointing, set_parameter_dtype, set_training_precision, update_router_biases,
+    MoELayer, set_activation_checkpointing, set_parameter_dtype, set_training_precision, update_router_biases,
 )
 from moetrain.ops.linear_cross_entropy import IGNORE_INDEX  # targets that are not scored
 from moetrain.precision.fp8_matmul import fp8_supported
