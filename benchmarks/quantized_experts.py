@@ -16,9 +16,11 @@ decode- and prefill-sized row counts).
 Dispatch and combine use the pure-torch path so that no compiled extension is needed.
 
 --training-quantizers instead times each quantizer of FP8 training (moetrain.precision.fp8_quantize) alone
-on the expert rows of the LM benchmark shapes (x [R, D] and dy [R, 2H] bf16, w [E, D, 2H] fp32,
-equal rows per expert): milliseconds, and GB/s of the bytes each must move at least (reads and
-writes; the per-expert column quantizers read their input twice, once for the maxima), beside a
+on the expert rows of the LM benchmark shapes (x [R, D] and dy [R, 2H] bf16, w [E, D, 2H] fp32, and
+the gate-up and down weights in bf16 as `trainer.param_dtype=bfloat16` trains them, equal rows per
+expert), and the gather of the FP8 token rows into the expert layout (top-2): milliseconds, and
+GB/s of the bytes each must move at least (reads and writes; the per-expert column quantizers and
+the forward's transposing weight quantizer read their input twice, once for the maxima), beside a
 copy of x for scale.
 
 --training-gemms instead times each expert GEMM of those shapes (gate-up and down, forward and both
@@ -281,7 +283,13 @@ def training_quantizer_rows(name: str, rows: int, dim: int, hidden: int, experts
     x = torch.randn(rows, dim, device=device, dtype=torch.bfloat16)
     dy = torch.randn(rows, 2 * hidden, device=device, dtype=torch.bfloat16)
     w = torch.randn(experts, dim, 2 * hidden, device=device)
+    w_up, w_down = w.bfloat16(), torch.randn(experts, hidden, dim, device=device, dtype=torch.bfloat16)
     places = fp8_matmul._padded_rows(counts_E, rows)
+    # top-2 copies of rows // 2 tokens, expert-major, as the first GEMM gathers them in FP8
+    tokens = x[: rows // 2]
+    dest_TK = torch.randperm(rows, device=device).view(-1, 2)
+    source_R = fp8_matmul._source_rows(dest_TK, rows)
+    tokens_q, tokens_scale = fp8_quantize.quantize_rows(tokens)
     cases = {  # name: (call, bytes read + written at least)
         "rows of x": (lambda: fp8_quantize.quantize_rows(x), x.numel() * 3),
         "rows of dy": (lambda: fp8_quantize.quantize_rows(dy), dy.numel() * 3),
@@ -289,6 +297,14 @@ def training_quantizer_rows(name: str, rows: int, dim: int, hidden: int, experts
         "expert columns of dy": (lambda: fp8_quantize.quantize_columns(dy, counts_E, places), dy.numel() * 5),
         "weight, forward": (lambda: fp8_quantize.quantize_weight(w, over=1), w.numel() * 9),
         "weight, dgrad": (lambda: fp8_quantize.quantize_weight(w, over=2), w.numel() * 5),
+        "bf16 gate-up weight, forward": (lambda: fp8_quantize.quantize_weight(w_up, over=1), w_up.numel() * 5),
+        "bf16 gate-up weight, dgrad": (lambda: fp8_quantize.quantize_weight(w_up, over=2), w_up.numel() * 3),
+        "bf16 down weight, forward": (lambda: fp8_quantize.quantize_weight(w_down, over=1), w_down.numel() * 5),
+        "bf16 down weight, dgrad": (lambda: fp8_quantize.quantize_weight(w_down, over=2), w_down.numel() * 3),
+        "gather of FP8 token rows": (lambda: fp8_matmul._gather_rows(tokens_q, source_R, 0.0), rows * dim * 3 // 2),
+        "the same with the scales": (lambda: (fp8_matmul._gather_rows(tokens_q, source_R, 0.0),
+                                              fp8_matmul._gather_rows(tokens_scale, source_R, 1.0)),
+                                     rows * dim * 3 // 2),
         "weight blocks, forward": (lambda: fp8_quantize.quantize_weight_blocks(w, k_contiguous=True), w.numel() * 5),
         "weight blocks, dgrad": (lambda: fp8_quantize.quantize_weight_blocks(w, k_contiguous=False), w.numel() * 5),
         "1x128 tiles of x": (lambda: fp8_quantize.quantize_row_tiles(x), x.numel() * 3),
