@@ -784,16 +784,22 @@ def test_training_gemm_bench_times_every_path_of_each_expert_gemm(capsys, monkey
 
 def test_training_quantizer_bench_times_each_quantizer(capsys):
     """python benchmarks/quantized_experts.py --training-quantizers: every quantizer of both recipes timed,
-    with the bytes it must move (rows: read 2 + write 1 per bf16 value; the column and tile
-    quantizers read twice; the fp32 weight's forward layout reads twice) over its time."""
+    and the FP8 rows' gather, with the bytes each must move (rows: read 2 + write 1 per bf16 value; the
+    column and tile quantizers read twice; the weights' forward layout reads twice) over its time."""
     from benchmarks import quantized_experts
 
     rows = quantized_experts.training_quantizer_rows("tiny", 96, 32, 16, 3, torch.device("cpu"), iters=1)
     names = [row["quantizer"] for row in rows]
     assert names == ["rows of x", "rows of dy", "expert columns of x", "expert columns of dy", "weight, forward",
-                     "weight, dgrad", "weight blocks, forward", "weight blocks, dgrad", "1x128 tiles of x",
+                     "weight, dgrad", "bf16 gate-up weight, forward", "bf16 gate-up weight, dgrad",
+                     "bf16 down weight, forward", "bf16 down weight, dgrad", "gather of FP8 token rows",
+                     "the same with the scales", "weight blocks, forward", "weight blocks, dgrad", "1x128 tiles of x",
                      "128x1 tiles of x", "copy of x (scale)"]
-    moved = {"rows of x": 96 * 32 * 3, "expert columns of dy": 96 * 32 * 5, "weight, forward": 3 * 32 * 32 * 9}
+    moved = {"rows of x": 96 * 32 * 3, "expert columns of dy": 96 * 32 * 5, "weight, forward": 3 * 32 * 32 * 9,
+             # bf16 weights: the forward's transposing layout reads twice (2 + 2 + 1), dgrad's once (2 + 1)
+             "bf16 down weight, forward": 3 * 16 * 32 * 5, "bf16 gate-up weight, dgrad": 3 * 32 * 32 * 3,
+             # 48 tokens' E4M3 rows read, their 96 top-2 copies written
+             "gather of FP8 token rows": 48 * 32 + 96 * 32}
     for row in rows:
         assert row["ms"] > 0 and row["shape"] == "tiny"
         if row["quantizer"] in moved:
