@@ -304,7 +304,7 @@ def training_quantizer_rows(name: str, rows: int, dim: int, hidden: int, experts
         "gather of FP8 token rows": (lambda: fp8_matmul._gather_rows(tokens_q, source_R, 0.0), rows * dim * 3 // 2),
         "the same with the scales": (lambda: (fp8_matmul._gather_rows(tokens_q, source_R, 0.0),
                                               fp8_matmul._gather_rows(tokens_scale, source_R, 1.0)),
-                                     rows * dim * 3 // 2),
+                                     rows * dim * 3 // 2 + (rows // 2 + rows) * 4),  # and the fp32 scales
         "weight blocks, forward": (lambda: fp8_quantize.quantize_weight_blocks(w, k_contiguous=True), w.numel() * 5),
         "weight blocks, dgrad": (lambda: fp8_quantize.quantize_weight_blocks(w, k_contiguous=False), w.numel() * 5),
         "1x128 tiles of x": (lambda: fp8_quantize.quantize_row_tiles(x), x.numel() * 3),
