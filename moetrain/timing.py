@@ -22,8 +22,15 @@ from typing import Callable
 import torch
 
 
-# Dense bf16 tensor-core peaks (no sparsity), from the vendors' data sheets, by device-name part.
-PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "B200": 2250e12}
+# Dense bf16 tensor-core peaks (no sparsity), from the vendors' data sheets, by device-name part;
+# the first part a name contains wins, so the PCIe and NVL cards (lower clocks and power) come first.
+PEAK_BF16_FLOPS = {"H100 PCIe": 756e12, "H100 NVL": 835e12, "H200 NVL": 835e12,
+                   "H200": 989e12, "H100": 989e12, "A100": 312e12, "B200": 2250e12}
+
+
+def peak_bf16_flops_of(name: str) -> float | None:
+    """The dense bf16 peak in FLOP/s of the GPU torch names `name`, or None where it is not known."""
+    return next((peak for part, peak in PEAK_BF16_FLOPS.items() if part in name), None)
 
 
 def peak_bf16_flops(device: torch.device | str) -> float | None:
@@ -31,8 +38,7 @@ def peak_bf16_flops(device: torch.device | str) -> float | None:
     device = torch.device(device)
     if device.type != "cuda":
         return None
-    name = torch.cuda.get_device_name(device)
-    return next((peak for part, peak in PEAK_BF16_FLOPS.items() if part in name), None)
+    return peak_bf16_flops_of(torch.cuda.get_device_name(device))
 
 
 def step_times_ms(step: Callable[[], object], device: torch.device | str, warmup: int = 3, steps: int = 10,

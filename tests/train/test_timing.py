@@ -126,3 +126,13 @@ def test_the_fused_losss_operators_are_found_in_its_region():
     assert len(inside_mms) >= 3 * 4  # three GEMMs a chunk, four chunks
     outside_mms = [e for e in events if e.name in ("aten::mm", "aten::matmul") and timing._scope(e) == ""]
     assert outside_mms and outside.shape == (64, 50)
+
+
+@pytest.mark.parametrize("name, tflops", [
+    ("NVIDIA H100 80GB HBM3", 989), ("NVIDIA H200", 989), ("NVIDIA H100 PCIe", 756), ("NVIDIA H100 NVL", 835),
+    ("NVIDIA H200 NVL", 835), ("NVIDIA A100-SXM4-80GB", 312), ("NVIDIA GeForce RTX 4090", None)])
+def test_each_card_gets_its_own_bf16_peak(name, tflops):
+    """The data sheets' dense bf16 figures: an H100 PCIe is not credited an SXM's 989 TFLOP/s (which
+    would understate its MFU by a quarter), and an unknown card has no MFU rather than a guessed one."""
+    peak = timing.peak_bf16_flops_of(name)
+    assert (peak if peak is None else round(peak / 1e12)) == tflops
