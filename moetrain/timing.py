@@ -146,6 +146,7 @@ STEP_PARTS = ("embedding", "attention projections", "attention core", "router", 
 # count (each chunk's GEMMs hold the vocabulary once, as a projection's weight gradient holds the
 # tokens), and its compiled chunk kernel would pass for a norm's.
 LM_HEAD_SCOPE = "moetrain.lm_head_loss"
+KERNELS_PER_PART = 5  # anatomy.md names each part's costliest kernels, this many at most
 _NAME_RULES = (
     ("optimizer", ("adam", "lpnorm", "sgd")),
     ("attention core", ("flash", "fmha", "sdpa", "attention", "attn")),
@@ -231,19 +232,21 @@ def profiled_kernels(profiler) -> list[tuple[str, float, list, str]]:
 def step_anatomy(kernels: list[tuple[str, float, list, str]], steps: int, wall_ms: float,
                  vocab_size: int | None = None, tokens: int | None = None) -> dict:
     """Milliseconds per step of each part (STEP_PARTS, plus "idle": the step's wall time minus the GPU's
-    busy time) from profiled_kernels over `steps` steps, and the costliest kernels of "other kernels";
+    busy time) from profiled_kernels over `steps` steps; "part_kernels": each part's costliest kernels
+    (name, ms a step), at most KERNELS_PER_PART, and "other_kernels": the first 8 of "other kernels";
     tokens: per micro-batch, which tells the LM head's GEMMs from the others."""
     parts = dict.fromkeys(STEP_PARTS, 0.0)
-    unplaced: dict[str, float] = {}
+    by_part: dict[str, dict[str, float]] = {part: {} for part in STEP_PARTS}
     for name, us, shapes, scope in kernels:
         part = kernel_part(name, shapes, vocab_size, tokens, scope)
         parts[part] += us / 1e3 / steps
-        if part == "other kernels":
-            unplaced[name] = unplaced.get(name, 0.0) + us / 1e3 / steps
+        by_part[part][name] = by_part[part].get(name, 0.0) + us / 1e3 / steps
     busy = sum(parts.values())
     parts["idle"] = max(0.0, wall_ms - busy)
+    ranked = {part: sorted(names.items(), key=lambda item: -item[1]) for part, names in by_part.items() if names}
     return {"step_ms": wall_ms, "busy_ms": busy, "parts_ms": parts,
-            "other_kernels": sorted(unplaced.items(), key=lambda item: -item[1])[:8]}
+            "part_kernels": {part: ranked_names[:KERNELS_PER_PART] for part, ranked_names in ranked.items()},
+            "other_kernels": ranked.get("other kernels", [])[:8]}
 
 
 def anatomy_markdown(anatomy: dict) -> str:
@@ -256,4 +259,9 @@ def anatomy_markdown(anatomy: dict) -> str:
         lines.append("")
         lines.append("Costliest kernels in 'other kernels': " + "; ".join(
             f"{name[:80]} {ms:.2f} ms" for name, ms in anatomy["other_kernels"]))
+    part_kernels = {part: ranked for part, ranked in anatomy.get("part_kernels", {}).items() if part != "other kernels"}
+    if part_kernels:
+        lines += ["", "Costliest kernels of each part (ms a step):", ""]
+        lines += [f"- {part}: " + "; ".join(f"{name[:80]} {ms:.2f}" for name, ms in ranked)
+                  for part, ranked in part_kernels.items()]
     return "\n".join(lines)

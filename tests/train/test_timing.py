@@ -95,6 +95,32 @@ def test_the_anatomy_adds_up_to_the_step():
     assert "| expert GEMMs | 10.0 | 50.0% |" in table and "| idle | 4.0 | 20.0% |" in table
 
 
+def test_each_parts_costliest_kernels_are_named_with_their_time():
+    """Against a naive sum by (part, name): each part lists its kernels' per-step ms, largest first,
+    the same name launched several times summed, at most KERNELS_PER_PART; the Markdown says them."""
+    import random
+
+    rng = random.Random()
+    names = ["triton_per_fused__fused_rms_norm_add_%d" % i for i in range(8)] + ["flash_fwd", "flash_bwd",
+                                                                                 "_quantize_fp8_kernel"]
+    kernels = [(rng.choice(names), rng.uniform(1.0, 5_000.0), [], "") for _ in range(60)]
+    steps = 3
+    anatomy = timing.step_anatomy(kernels, steps=steps, wall_ms=1e6)
+    expected: dict[str, dict[str, float]] = {}
+    for name, us, _, _ in kernels:
+        part = expected.setdefault(timing.kernel_part(name), {})
+        part[name] = part.get(name, 0.0) + us / 1e3 / steps
+    assert set(anatomy["part_kernels"]) == set(expected)
+    for part, listed in anatomy["part_kernels"].items():
+        assert len(listed) == min(timing.KERNELS_PER_PART, len(expected[part]))
+        assert [ms for _, ms in listed] == sorted((ms for _, ms in listed), reverse=True)
+        assert all(ms == pytest.approx(expected[part][name]) for name, ms in listed)
+        assert listed[-1][1] >= max([ms for name, ms in expected[part].items() if name not in dict(listed)], default=0)
+        assert sum(ms for _, ms in listed) <= anatomy["parts_ms"][part] + 1e-9
+    table = timing.anatomy_markdown(anatomy)
+    top_name, top_ms = anatomy["part_kernels"]["norms/rotary/residual"][0]
+    assert f"- norms/rotary/residual: {top_name} {top_ms:.2f}" in table
+
 def test_kernels_in_the_fused_heads_region_are_the_heads():
     """The fused LM head + loss runs its chunks' GEMMs and its compiled softmax kernel inside
     timing.LM_HEAD_SCOPE: they are the head's whatever their shapes or names say (with 32768 tokens
