@@ -21,7 +21,9 @@ the gate-up and down weights in bf16 as `trainer.param_dtype=bfloat16` trains th
 expert), and the gather of the FP8 token rows into the expert layout (top-2): milliseconds, and
 GB/s of the bytes each must move at least (reads and writes; the per-expert column quantizers and
 the forward's transposing weight quantizer read their input twice, once for the maxima), beside a
-copy of x for scale.
+copy of x for scale. Each is timed on the GPU alone (moetrain.timing.graph_median_ms: 20 calls in one
+CUDA graph, replayed), as a training step runs them, its host ahead of the GPU: timed call by call,
+these kernels, shorter than their launch from Python, would count the host's time too.
 
 --training-gemms instead times each expert GEMM of those shapes (gate-up and down, forward and both
 backward GEMMs, equal rows per expert) on every training path: bf16 (torch._grouped_mm), moetrain's
@@ -313,7 +315,9 @@ def training_quantizer_rows(name: str, rows: int, dim: int, hidden: int, experts
     }
     out = []
     for quantizer, (call, nbytes) in cases.items():
-        ms = median_ms(call, iters, device)
+        # GPU time alone (a CUDA graph of 20 calls, replayed): the step launches these kernels ahead
+        # of the GPU, and each one is shorter than its launch from Python.
+        ms = timing.graph_median_ms(call, device, steps=iters)
         out.append({"shape": name, "quantizer": quantizer, "ms": ms, "gb_per_s": nbytes / ms / 1e6})
     return out
 
@@ -422,6 +426,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.training_quantizers:
         if device.type != "cuda":
             parser.error("--training-quantizers times the CUDA kernels: it needs a CUDA device")
+        print(f"{torch.cuda.get_device_name(device)}, torch {torch.__version__}; GPU time of one call: median of "
+              f"{args.iters} replays of a CUDA graph of 20 calls", flush=True)
         rows = []
         for name, shape in TRAINING_SHAPES.items():
             for row in training_quantizer_rows(name, *shape, device, args.iters):

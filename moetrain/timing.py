@@ -72,6 +72,32 @@ def median_ms(step: Callable[[], object], device: torch.device | str, warmup: in
     return statistics.median(step_times_ms(step, device, warmup, steps, sync_each))
 
 
+def graph_median_ms(step: Callable[[], object], device: torch.device | str, steps: int = 10, calls: int = 20) -> float:
+    """Median GPU milliseconds of one call of step() without the host's launch work: on CUDA, `calls`
+    calls captured in one CUDA graph, the graph replayed `steps` times (each replay timed by events),
+    the median divided by `calls`. median_ms with sync_each=True counts, for a kernel shorter than its
+    launch, the host's Python and launch time too, which a training step hides (its host runs ahead
+    of the GPU). step() must be capturable (no host sync, no CPU tensors made on the way). Elsewhere
+    than CUDA: median_ms."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return median_ms(step, device, steps=steps)
+    # Warm-up on a side stream, as capture requires: compiles kernels and fills the allocator's caches.
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            step()
+    torch.cuda.current_stream(device).wait_stream(side)
+    torch.cuda.synchronize(device)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            step()
+    times = step_times_ms(graph.replay, device, warmup=1, steps=steps)
+    return statistics.median(times) / calls
+
+
 def host_ms(step: Callable[[], object], device: torch.device | str, steps: int = 4) -> float | None:
     """Milliseconds the host takes to issue one call of step() on a GPU: the calls are queued without
     waiting for the GPU, so a figure well below the step's GPU time means the GPU bounds the step,
