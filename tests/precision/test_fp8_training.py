@@ -801,7 +801,7 @@ def test_training_quantizer_bench_times_each_quantizer(capsys):
              # 48 tokens' E4M3 rows read, their 96 top-2 copies written
              "gather of FP8 token rows": 48 * 32 + 96 * 32, "the same with the scales": 48 * 36 + 96 * 36}
     for row in rows:
-        assert row["ms"] > 0 and row["shape"] == "tiny"
+        assert row["ms"] > 0 and row["shape"] == "tiny" and row["timed"] == "call by call"  # no graphs off CUDA
         if row["quantizer"] in moved:
             assert row["gb_per_s"] == pytest.approx(moved[row["quantizer"]] / row["ms"] / 1e6)
     with pytest.raises(SystemExit) as exit_info:
