@@ -65,6 +65,13 @@ class FP8Wgrad(Enum):
     fp8 = "fp8"  # in FP8 too, by the precision's recipe (DeepSeek-V3's)
 
 
+class CompileMode(Enum):
+    """torch.compile's modes (the member's value is torch's name for it)."""
+    reduce_overhead = "reduce-overhead"  # CUDA graphs: the host's launches replayed from one graph
+    max_autotune = "max-autotune"  # Triton kernels and GEMMs chosen by benchmarking them, and CUDA graphs
+    max_autotune_no_cudagraphs = "max-autotune-no-cudagraphs"  # the autotuning without CUDA graphs
+
+
 class ParamDtype(Enum):
     float32 = "float32"  # fp32 parameters; under bf16 autocast each weight is cast to bf16 where it is used
     bfloat16 = "bfloat16"  # bf16 parameters (routers stay fp32); AdamW keeps fp32 master copies and moments
@@ -173,6 +180,7 @@ class TrainerConfig:
     # torch.compile the model before training: faster steps on GPUs; on a CPU it works but the
     # first step compiles for a long time. Checkpoints keep the plain model's parameter names.
     compile: bool = False
+    compile_mode: Optional[CompileMode] = None  # with compile: torch.compile's mode; null = its default
     activation_checkpointing: ActivationCheckpointing = ActivationCheckpointing.none
     async_checkpoint: bool = False  # multi-process: write sharded checkpoints while training goes on
     # Profile steps profile_at .. profile_at + 2 and write where their time goes (anatomy.md in the

@@ -149,11 +149,15 @@ class Trainer:
             raise SettingError("TrainerConfig.activation_checkpointing='full' cannot be compiled (torch.compile does "
                                "not trace the routing replay of recomputed MoE blocks): use "
                                "TrainerConfig.activation_checkpointing='selective', or TrainerConfig.compile=False")
-        self.forward = torch.compile(self.model) if trainer.compile else self.model
+        if trainer.compile_mode is not None and not trainer.compile:
+            raise SettingError(f"TrainerConfig.compile_mode={trainer.compile_mode.name!r} applies only with "
+                               "TrainerConfig.compile=true; set compile=true, or leave compile_mode null")
+        compile_kwargs = {} if trainer.compile_mode is None else {"mode": trainer.compile_mode.value}
+        self.forward = torch.compile(self.model, **compile_kwargs) if trainer.compile else self.model
         # Compiled, the loss reads the 16-bit logits once and its backward recomputes the softmax
         # from them: no fp32 copy of the logits and of their log-softmax is kept (on moe_1b5's 32k
         # vocabulary, batch 16 x 2048: 8 GiB).
-        self.loss = torch.compile(task_loss) if trainer.compile else task_loss
+        self.loss = torch.compile(task_loss, **compile_kwargs) if trainer.compile else task_loss
         # The model's own fused head + loss (forward(..., targets=)) where it has one.
         self.fused_loss = (trainer.fused_loss and data.task == "language_modeling"
                            and "targets" in inspect.signature(self.model.forward).parameters)

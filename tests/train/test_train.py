@@ -256,3 +256,28 @@ def test_gradient_norm_and_clipping_of_one_process(max_norm):
         assert want > max_norm  # so the gradients must shrink
         for a, b in zip(after, before):
             torch.testing.assert_close(a, b * (max_norm / want), rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("mode", [None, "reduce_overhead", "max_autotune", "max_autotune_no_cudagraphs"])
+def test_compile_mode_reaches_torch_compile(tmp_path, monkeypatch, mode):
+    """trainer.compile_mode is handed to torch.compile by torch's own name for it, for the model and
+    the loss alike; null passes no mode (torch's default). torch.compile is replaced by a recorder
+    that returns its function, so the run itself is eager and its loss the eager run's."""
+    from moetrain.config import CompileMode
+
+    calls = []
+    monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: calls.append(kwargs) or fn)
+    compile_mode = None if mode is None else CompileMode[mode]
+    trained = make_trainer(tmp_path / "compiled", compile=True, compile_mode=compile_mode).fit()
+    want = {} if mode is None else {"mode": {"reduce_overhead": "reduce-overhead", "max_autotune": "max-autotune",
+                                             "max_autotune_no_cudagraphs": "max-autotune-no-cudagraphs"}[mode]}
+    assert calls[:2] == [want, want]  # the model, then the loss
+    eager = make_trainer(tmp_path / "eager").fit()
+    assert trained["train/loss"] == eager["train/loss"]
+
+
+def test_a_compile_mode_without_compile_is_refused(tmp_path):
+    from moetrain.config import CompileMode, SettingError
+
+    with pytest.raises(SettingError, match="compile_mode='reduce_overhead' applies only with TrainerConfig.compile=true"):
+        make_trainer(tmp_path, compile_mode=CompileMode.reduce_overhead)
