@@ -258,21 +258,23 @@ def profiled_kernels(profiler) -> list[tuple[str, float, list, str]]:
 def step_anatomy(kernels: list[tuple[str, float, list, str]], steps: int, wall_ms: float,
                  vocab_size: int | None = None, tokens: int | None = None) -> dict:
     """Milliseconds per step of each part (STEP_PARTS, plus "idle": the step's wall time minus the GPU's
-    busy time) from profiled_kernels over `steps` steps; "part_kernels": each part's costliest kernels
-    (name, ms a step), at most KERNELS_PER_PART, and "other_kernels": the first 8 of "other kernels";
-    tokens: per micro-batch, which tells the LM head's GEMMs from the others."""
+    busy time) from profiled_kernels over `steps` steps; "part_kernels": each placed part's costliest
+    kernels (name, ms a step), at most KERNELS_PER_PART, and "other_kernels": the first 8 of "other
+    kernels"; tokens: per micro-batch, which tells the LM head's GEMMs from the others."""
     parts = dict.fromkeys(STEP_PARTS, 0.0)
-    by_part: dict[str, dict[str, float]] = {part: {} for part in STEP_PARTS}
+    by_part: dict[str, dict[str, float]] = {}
     for name, us, shapes, scope in kernels:
         part = kernel_part(name, shapes, vocab_size, tokens, scope)
         parts[part] += us / 1e3 / steps
-        by_part[part][name] = by_part[part].get(name, 0.0) + us / 1e3 / steps
+        names = by_part.setdefault(part, {})
+        names[name] = names.get(name, 0.0) + us / 1e3 / steps
     busy = sum(parts.values())
     parts["idle"] = max(0.0, wall_ms - busy)
-    ranked = {part: sorted(names.items(), key=lambda item: -item[1]) for part, names in by_part.items() if names}
+    ranked = {part: sorted(names.items(), key=lambda item: -item[1]) for part, names in by_part.items()}
+    other = ranked.pop("other kernels", [])
     return {"step_ms": wall_ms, "busy_ms": busy, "parts_ms": parts,
-            "part_kernels": {part: ranked_names[:KERNELS_PER_PART] for part, ranked_names in ranked.items()},
-            "other_kernels": ranked.get("other kernels", [])[:8]}
+            "part_kernels": {part: names[:KERNELS_PER_PART] for part, names in ranked.items()},
+            "other_kernels": other[:8]}
 
 
 def anatomy_markdown(anatomy: dict) -> str:
@@ -285,9 +287,8 @@ def anatomy_markdown(anatomy: dict) -> str:
         lines.append("")
         lines.append("Costliest kernels in 'other kernels': " + "; ".join(
             f"{name[:80]} {ms:.2f} ms" for name, ms in anatomy["other_kernels"]))
-    part_kernels = {part: ranked for part, ranked in anatomy.get("part_kernels", {}).items() if part != "other kernels"}
-    if part_kernels:
+    if anatomy["part_kernels"]:
         lines += ["", "Costliest kernels of each part (ms a step):", ""]
         lines += [f"- {part}: " + "; ".join(f"{name[:80]} {ms:.2f}" for name, ms in ranked)
-                  for part, ranked in part_kernels.items()]
+                  for part, ranked in anatomy["part_kernels"].items()]
     return "\n".join(lines)

@@ -91,6 +91,7 @@ def test_the_anatomy_adds_up_to_the_step():
     assert anatomy["busy_ms"] == pytest.approx(16.0)
     assert sum(parts.values()) == pytest.approx(20.0)
     assert anatomy["other_kernels"] == [("mystery", pytest.approx(2.0))]
+    assert "other kernels" not in anatomy["part_kernels"]  # listed once, as other_kernels
     table = timing.anatomy_markdown(anatomy)
     assert "| expert GEMMs | 10.0 | 50.0% |" in table and "| idle | 4.0 | 20.0% |" in table
 
@@ -120,6 +121,7 @@ def test_each_parts_costliest_kernels_are_named_with_their_time():
     table = timing.anatomy_markdown(anatomy)
     top_name, top_ms = anatomy["part_kernels"]["norms/rotary/residual"][0]
     assert f"- norms/rotary/residual: {top_name} {top_ms:.2f}" in table
+
 
 def test_kernels_in_the_fused_heads_region_are_the_heads():
     """The fused LM head + loss runs its chunks' GEMMs and its compiled softmax kernel inside
