@@ -176,6 +176,9 @@ class TrainerConfig:
     # (moetrain.ops.linear_cross_entropy); false: the logits, then the cross-entropy.
     fused_loss: bool = True
     fp8_wgrad: Optional[FP8Wgrad] = None  # precision fp8 | fp8_block: the weight gradient's GEMM; null = bf16
+    # precision fp8: the blocks' dense linears (attention projections, dense FFNs, shared experts) in
+    # row-wise FP8 too (moetrain.precision.fp8_linear); false: only the routed experts
+    fp8_linears: bool = False
     progress_bar: bool = True
     # torch.compile the model before training: faster steps on GPUs; on a CPU it works but the
     # first step compiles for a long time. Checkpoints keep the plain model's parameter names.

@@ -8,6 +8,7 @@ from torch import nn
 from moetrain.moe.experts import EXPERTS, DenseFeedForward, Experts, FFNExperts, SwiGLUExperts, is_expert_param
 from moetrain.moe.gates import GATES, Gate, GateOutput, register_gate
 from moetrain.moe.layer import MoELayer, RoutingStats, moe_layers, set_activation_checkpointing
+from moetrain.moe.recompute import CheckpointedBlock
 from moetrain.moe.routing import RoutingPlan, make_plan
 from moetrain.moe.cosine_gate import CosineGate
 from moetrain.moe.sigmoid_gate import SigmoidGate
@@ -31,13 +32,29 @@ def set_parameter_dtype(model: nn.Module, dtype: torch.dtype) -> None:
             parameter.data = parameter.data.to(dtype)
 
 
-def set_training_precision(model: nn.Module, precision: str, fp8_wgrad: str = "bf16") -> None:
-    """How `model`'s routed experts multiply in training: every MoE layer's GEMMs in `precision`
-    ("bf16", "fp8" or "fp8_block"; moetrain.precision.fp8_matmul), the weight gradient's GEMM in
-    fp8_wgrad. Everything else keeps the compute dtype."""
+# The projections whose output gradient comes out of per-head kernels (q/k norm, rotary, attention):
+# a per-token amax over all heads cannot share their kernels, so with fp8_linears their input
+# gradient stays a bf16 GEMM (o_proj's and the dense FFNs' are FP8).
+BF16_DGRAD_LINEARS = ("q_proj", "k_proj", "v_proj")
+
+
+def set_training_precision(model: nn.Module, precision: str, fp8_wgrad: str = "bf16", fp8_linears: bool = False) -> None:
+    """How `model` trains its GEMMs: every MoE layer's experts in `precision` ("bf16", "fp8" or
+    "fp8_block"; the weight gradient's GEMM in fp8_wgrad). fp8_linears (with "fp8" only): the dense
+    linears of every transformer block too (attention projections, dense FFNs, shared experts:
+    row-wise FP8, moetrain.precision.fp8_linear). Embeddings, routers and output heads keep the
+    compute dtype."""
+    if fp8_linears and precision != "fp8":
+        raise ValueError(f"fp8_linears applies only with precision 'fp8' (row-wise scales), not {precision!r}")
     for layer in moe_layers(model):
         layer.precision = precision
         layer.fp8_wgrad = fp8_wgrad
+    if fp8_linears:
+        # Imported here: the dense FP8 GEMMs are never loaded by a model that does not use them.
+        from moetrain.precision.fp8_linear import use_fp8_linears  # noqa: PLC0415
+
+        for block in [m for m in model.modules() if isinstance(m, CheckpointedBlock)]:
+            use_fp8_linears(block, bf16_dgrad=BF16_DGRAD_LINEARS)
 
 
 def update_router_biases(model: nn.Module) -> None:

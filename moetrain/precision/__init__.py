@@ -10,6 +10,8 @@
                    E4M3 values and fp32 scales.
   fp8_matmul.py    FP8 training's expert GEMMs: the scaled grouped GEMMs and their autograd
                    (MoELayer(precision="fp8" | "fp8_block")).
+  fp8_linear.py    FP8 training's dense linears: row-wise scaled GEMMs on torch._scaled_mm and their
+                   autograd (trainer.fp8_linears).
 
 Quantized inference (moetrain.quant) and the MoE layer (moetrain.moe) import from here; nothing
 here imports them.

@@ -121,12 +121,17 @@ class Trainer:
         fp8 = trainer.precision in (Precision.fp8, Precision.fp8_block)
         bf16 = trainer.precision == Precision.bf16 or ((fp8 or trainer.precision == Precision.auto)
                                                         and self.device.type == "cuda")
+        if trainer.fp8_linears and trainer.precision != Precision.fp8:
+            raise SettingError("TrainerConfig.fp8_linears=true applies only with TrainerConfig.precision='fp8' "
+                               f"(row-wise scales), not with TrainerConfig.precision={trainer.precision.value!r}; "
+                               "set TrainerConfig.precision='fp8' or TrainerConfig.fp8_linears=false")
         if fp8:
             supported, why = fp8_supported(self.device, trainer.precision.value)
             if not supported:
                 raise SettingError(f"TrainerConfig.precision={trainer.precision.value!r} needs an sm90+ GPU or the "
                                    f"CPU, not {why}; use TrainerConfig.precision='bf16'")
-            set_training_precision(model, trainer.precision.value, (trainer.fp8_wgrad or FP8Wgrad.bf16).value)
+            set_training_precision(model, trainer.precision.value, (trainer.fp8_wgrad or FP8Wgrad.bf16).value,
+                                   fp8_linears=trainer.fp8_linears)
         elif trainer.fp8_wgrad is not None:
             raise SettingError(f"TrainerConfig.fp8_wgrad={trainer.fp8_wgrad.value!r} applies only with precision fp8 "
                                f"or fp8_block, not with TrainerConfig.precision={trainer.precision.value!r}; leave "

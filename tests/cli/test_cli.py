@@ -133,6 +133,10 @@ ERRORS = [
     (["trainer.fp8_wgrad=fp16"], "expected one of [bf16, fp8]"),
     (["trainer.fp8_wgrad=fp8"], "trainer.fp8_wgrad=fp8 applies only with precision fp8 or fp8_block, not with "
                                 "trainer.precision=auto"),
+    (["trainer.fp8_linears=true"], "trainer.fp8_linears=true applies only with trainer.precision=fp8 (row-wise "
+                                   "scales), not with trainer.precision=auto; set trainer.precision=fp8 or "
+                                   "trainer.fp8_linears=false"),
+    (["trainer.fp8_linears=true", "trainer.precision=fp8_block"], "not with trainer.precision=fp8_block"),
     (["trainer.param_dtype=float16"], "expected one of [float32, bfloat16]"),
     (["trainer.param_dtype=bfloat16", "optim=sgd"], "trainer.param_dtype=bfloat16 keeps fp32 master weights in AdamW"),
     (["trainer.param_dtype=bfloat16", "trainer.precision=fp32"], "trainer.param_dtype=bfloat16 computes in bf16"),
