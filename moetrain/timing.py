@@ -14,6 +14,7 @@ issue a step on a GPU, which says whether the host or the GPU bounds it.
 
 from __future__ import annotations
 
+import heapq
 import statistics
 import time
 import warnings
@@ -277,6 +278,68 @@ def step_anatomy(kernels: list[tuple[str, float, list, str]], steps: int, wall_m
             "other_kernels": other[:8]}
 
 
+QUEUED_GAP_US = 10.0  # a gap this short is the GPU moving from one queued kernel to the next
+HOST_ACTIVITIES = 6  # anatomy.md names this many host activities the GPU waited for, the longest first
+
+
+def profiled_spans(profiler) -> tuple[list[tuple[float, float]], list[tuple[float, float, str]]]:
+    """From a finished torch.profiler run: the GPU's work as (start, end) microseconds (kernels,
+    copies and fills), and the host's operators and regions as (start, end, name) on the same clock."""
+    gpu, host = [], []
+    for event in profiler.events():
+        if getattr(event, "is_user_annotation", False) and event.device_type != torch.autograd.DeviceType.CPU:
+            continue  # a GPU-side copy of a region's range, not work
+        span = (event.time_range.start, event.time_range.end)
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            gpu.append(span)
+        elif event.device_type == torch.autograd.DeviceType.CPU and not event.is_async:
+            host.append((*span, event.name))
+    return gpu, host
+
+
+def idle_by_host_activity(gpu: list[tuple[float, float]], host: list[tuple[float, float, str]], steps: int,
+                          queued_gap_us: float = QUEUED_GAP_US) -> list[tuple[str, float, int]]:
+    """Where the GPU waited and what the host was doing meanwhile: the gaps between the GPU's busy
+    intervals (the union of the `gpu` spans, from the first start to the last end), each charged to
+    the host spans that hold the gap's midpoint, as "outermost > innermost" (the longest and the
+    shortest of them; one name when they are one span; "no host operator" when none holds it).
+    Gaps shorter than queued_gap_us are one row of their own, "between queued kernels": the GPU
+    going from one kernel to the next, not waiting for the host. -> (activity, ms a step, gaps),
+    the most idle time first."""
+    idle: dict[str, list] = {}
+    # A sweep over the gaps' midpoints, which rise: the host spans started by then enter a heap by end,
+    # those ended by then leave it, and what stays holds the midpoint.
+    host = sorted(host)
+    entered, open_spans = 0, []
+    busy_until = None
+    for start, end in sorted(gpu):
+        if busy_until is not None and start > busy_until:
+            gap = start - busy_until
+            if gap < queued_gap_us:
+                activity = "between queued kernels"
+            else:
+                middle = (busy_until + start) / 2
+                while entered < len(host) and host[entered][0] <= middle:
+                    a, b, name = host[entered]
+                    heapq.heappush(open_spans, (b, a, entered, name))
+                    entered += 1
+                while open_spans and open_spans[0][0] <= middle:
+                    heapq.heappop(open_spans)
+                if not open_spans:
+                    activity = "no host operator"
+                else:
+                    # longest (then earliest) outside, shortest (then latest) inside
+                    ranked = sorted(open_spans, key=lambda span: (-(span[0] - span[1]), span[1]))
+                    outer, inner = ranked[0], ranked[-1]
+                    activity = outer[3] if outer is inner else f"{outer[3]} > {inner[3]}"
+            row = idle.setdefault(activity, [0.0, 0])
+            row[0] += gap
+            row[1] += 1
+        busy_until = end if busy_until is None else max(busy_until, end)
+    rows = [(activity, us / 1e3 / steps, count) for activity, (us, count) in idle.items()]
+    return sorted(rows, key=lambda row: -row[1])
+
+
 def anatomy_markdown(anatomy: dict) -> str:
     """step_anatomy's result as a Markdown table: part, ms per step, share of the step."""
     step = anatomy["step_ms"]
@@ -291,4 +354,10 @@ def anatomy_markdown(anatomy: dict) -> str:
         lines += ["", "Costliest kernels of each part (ms a step):", ""]
         lines += [f"- {part}: " + "; ".join(f"{name[:80]} {ms:.2f}" for name, ms in ranked)
                   for part, ranked in anatomy["part_kernels"].items()]
+    if anatomy.get("idle_by_host"):
+        rows = anatomy["idle_by_host"]
+        lines += ["", f"Where the GPU waited in the profiled steps ({sum(ms for _, ms, _ in rows):.1f} ms a step, the "
+                  "profiler's own host work included), by what the host was doing at each gap's midpoint "
+                  "(outermost > innermost operator; ms a step, gaps over the profiled steps):", ""]
+        lines += [f"- {activity[:160]}: {ms:.2f} ms, {count} gaps" for activity, ms, count in rows[:HOST_ACTIVITIES]]
     return "\n".join(lines)

@@ -44,7 +44,7 @@ from moetrain.moe import (
 )
 from moetrain.ops.linear_cross_entropy import IGNORE_INDEX  # targets that are not scored
 from moetrain.precision.fp8_matmul import fp8_supported
-from moetrain.timing import anatomy_markdown, profiled_kernels, step_anatomy
+from moetrain.timing import anatomy_markdown, idle_by_host_activity, profiled_kernels, profiled_spans, step_anatomy
 from moetrain.train import checkpoint
 from moetrain.train.metrics import TensorBoard, append_metrics, flatten, load_postfix, training_throughput
 from moetrain.train.optim import build_scheduler, clip_factor
@@ -432,6 +432,7 @@ class Trainer:
             vocab_size = self.data.model_inputs.get("vocab_size")
             tokens = self.data.batch_size * (self.data.model_inputs.get("max_seq_len") or 0)
             anatomy = step_anatomy(profiled_kernels(profiler), steps, wall_ms, vocab_size, tokens)
+            anatomy["idle_by_host"] = idle_by_host_activity(*profiled_spans(profiler), steps)
             text = (f"# Steps {first}-{self.step} on {torch.cuda.get_device_name(self.device)}: GPU time per part\n\n"
                     f"Wall time of a step: the mean of the {len(unprofiled_seconds)} steps before step {first}; "
                     "idle: that wall time minus the GPU's busy time.\n\n" + anatomy_markdown(anatomy) + "\n")

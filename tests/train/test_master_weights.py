@@ -167,3 +167,23 @@ def test_profile_at_writes_the_anatomy_of_the_profiled_steps(tmp_path):
     text = (tmp_path / "anatomy.md").read_text()
     assert text.startswith("# Steps 2-4")  # three steps, from profile_at on
     assert "aten::mm" in text  # on a CPU: the host's costliest operators
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_profile_at_on_a_gpu_says_where_the_gpu_waited(tmp_path):
+    """On a GPU anatomy.md has the parts' table and the idle gaps by host activity: a tiny model's
+    step is bound by its host, so the GPU waits, and the rows' time is at most the profiled steps'."""
+    import re
+
+    trainer = _tiny_lm_trainer(tmp_path, max_steps=5, profile_at=2, device="cuda")
+    trainer.fit()
+    text = (tmp_path / "anatomy.md").read_text()
+    assert text.startswith("# Steps 2-4 on ") and "| **step** (GPU busy" in text
+    waited = re.search(r"Where the GPU waited in the profiled steps \(([0-9.]+) ms a step", text)
+    step_ms = float(re.search(r"\| \*\*step\*\* \(GPU busy [0-9.]+\) \| \*\*([0-9.]+)\*\*", text).group(1))
+    assert waited and 0 < float(waited.group(1))
+    rows = re.findall(r"^- (.+): ([0-9.]+) ms, (\d+) gaps$", text, flags=re.MULTILINE)
+    assert rows and all(int(count) > 0 for _, _, count in rows)
+    assert sum(float(ms) for _, ms, _ in rows) <= float(waited.group(1)) + 0.01 + 0.01 * len(rows)
+    assert step_ms > 0

@@ -156,6 +156,85 @@ def test_the_fused_losss_operators_are_found_in_its_region():
     assert outside_mms and outside.shape == (64, 50)
 
 
+def _idle_by_cells(gpu, host, steps, queued):
+    """The reference: time in 1 us cells, a cell idle when no GPU span covers it, gaps the runs of idle
+    cells between the first start and the last end, each charged at its midpoint."""
+    first, last = min(a for a, _ in gpu), max(b for _, b in gpu)
+    busy = [any(a <= t < b for a, b in gpu) for t in range(first, last)]
+    rows = {}
+    t = 0
+    while t < len(busy):
+        if busy[t]:
+            t += 1
+            continue
+        begin = t
+        while t < len(busy) and not busy[t]:
+            t += 1
+        length, middle = t - begin, first + (begin + t) / 2
+        if length < queued:
+            activity = "between queued kernels"
+        else:
+            holding = [(b - a, -a, name) for a, b, name in host if a <= middle < b]
+            if not holding:
+                activity = "no host operator"
+            else:
+                outer, inner = max(holding), min(holding)
+                activity = outer[2] if outer == inner else f"{outer[2]} > {inner[2]}"
+        ms, count = rows.get(activity, (0.0, 0))
+        rows[activity] = (ms + length / 1e3 / steps, count + 1)
+    return rows
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_idle_is_charged_to_what_the_host_was_doing(seed):
+    """Random GPU spans (overlapping, as from two streams) and host spans (nested and not): each gap
+    between the GPU's busy intervals is charged to the longest and the shortest host span holding its
+    midpoint, short gaps to the queue; against a naive walk over 1 us cells."""
+    import random
+
+    rng = random.Random(seed)
+    gpu = []
+    for _ in range(rng.randint(5, 40)):
+        a = rng.randint(0, 400)
+        gpu.append((a, a + rng.randint(1, 30)))
+    spans = {}
+    for i in range(rng.randint(0, 25)):
+        a = rng.randint(-20, 420)
+        spans.setdefault((a, a + rng.randint(1, 200)), f"op{i}")  # one name per distinct span
+    host = [(a, b, name) for (a, b), name in spans.items()]
+    steps = rng.randint(1, 3)
+    got = timing.idle_by_host_activity([(float(a), float(b)) for a, b in gpu],
+                                       [(float(a), float(b), n) for a, b, n in host], steps, queued_gap_us=3.0)
+    want = _idle_by_cells(gpu, host, steps, queued=3)
+    assert {activity: (pytest.approx(ms), count) for activity, (ms, count) in want.items()} == {
+        activity: (ms, count) for activity, ms, count in got}
+    assert [ms for _, ms, _ in got] == sorted((ms for _, ms, _ in got), reverse=True)
+    if len(gpu) == 1:
+        assert got == []  # one span: nothing to wait between
+
+
+def test_the_profilers_host_regions_are_spans_and_idle_rows_are_listed():
+    """On the CPU the profiler records host operators and regions (no GPU spans); anatomy.md lists the
+    idle rows it is given, the most first."""
+    import torch
+
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profiler:
+        with torch.profiler.record_function("optimizer region"):
+            torch.ones(64).sum()
+    gpu, host = timing.profiled_spans(profiler)
+    assert gpu == []
+    names = [name for _, _, name in host]
+    assert "optimizer region" in names and "aten::sum" in names
+    (outer,) = [(a, b) for a, b, name in host if name == "optimizer region"]
+    assert all(outer[0] <= a and b <= outer[1] for a, b, name in host if name == "aten::sum")
+    anatomy = timing.step_anatomy([("mystery", 1000.0, [], "")], steps=1, wall_ms=3.0)
+    anatomy["idle_by_host"] = [("Optimizer.step > cudaLaunchKernel", 1.25, 40), ("between queued kernels", 0.5, 900)]
+    table = timing.anatomy_markdown(anatomy)
+    assert "Where the GPU waited in the profiled steps (1.8 ms a step" in table
+    assert table.index("- Optimizer.step > cudaLaunchKernel: 1.25 ms, 40 gaps") < table.index(
+        "- between queued kernels: 0.50 ms, 900 gaps")
+
+
 @pytest.mark.parametrize("name, tflops", [
     ("NVIDIA H100 80GB HBM3", 989), ("NVIDIA H200", 989), ("NVIDIA H100 PCIe", 756), ("NVIDIA H100 NVL", 835),
     ("NVIDIA H200 NVL", 835), ("NVIDIA A100-SXM4-80GB", 312), ("NVIDIA GeForce RTX 4090", None)])
