@@ -38,23 +38,31 @@ def set_parameter_dtype(model: nn.Module, dtype: torch.dtype) -> None:
 BF16_DGRAD_LINEARS = ("q_proj", "k_proj", "v_proj")
 
 
-def set_training_precision(model: nn.Module, precision: str, fp8_wgrad: str = "bf16", fp8_linears: bool = False) -> None:
+def set_training_precision(model: nn.Module, precision: str, fp8_wgrad: str = "bf16",
+                           fp8_linears: bool = False) -> list[str]:
     """How `model` trains its GEMMs: every MoE layer's experts in `precision` ("bf16", "fp8" or
     "fp8_block"; the weight gradient's GEMM in fp8_wgrad). fp8_linears (with "fp8" only): the dense
     linears of every transformer block too (attention projections, dense FFNs, shared experts:
-    row-wise FP8, moetrain.precision.fp8_linear). Embeddings, routers and output heads keep the
-    compute dtype."""
+    row-wise FP8, moetrain.precision.fp8_linear), where their features are multiples of 16; the
+    names of those put in FP8 are returned (none is an error). Embeddings, routers and output heads
+    keep the compute dtype."""
     if fp8_linears and precision != "fp8":
         raise ValueError(f"fp8_linears applies only with precision 'fp8' (row-wise scales), not {precision!r}")
     for layer in moe_layers(model):
         layer.precision = precision
         layer.fp8_wgrad = fp8_wgrad
-    if fp8_linears:
-        # Imported here: the dense FP8 GEMMs are never loaded by a model that does not use them.
-        from moetrain.precision.fp8_linear import use_fp8_linears  # noqa: PLC0415
+    if not fp8_linears:
+        return []
+    # Imported here: the dense FP8 GEMMs are never loaded by a model that does not use them.
+    from moetrain.precision.fp8_linear import use_fp8_linears  # noqa: PLC0415
 
-        for block in [m for m in model.modules() if isinstance(m, CheckpointedBlock)]:
-            use_fp8_linears(block, bf16_dgrad=BF16_DGRAD_LINEARS)
+    replaced = []
+    for name, block in [(n, m) for n, m in model.named_modules() if isinstance(m, CheckpointedBlock)]:
+        replaced += [f"{name}.{linear}" for linear in use_fp8_linears(block, bf16_dgrad=BF16_DGRAD_LINEARS)]
+    if not replaced:
+        raise ValueError("fp8_linears: the model's transformer blocks have no dense linear whose input and output "
+                         "features are multiples of 16, which the FP8 GEMMs need; leave fp8_linears off")
+    return replaced
 
 
 def update_router_biases(model: nn.Module) -> None:

@@ -130,8 +130,14 @@ class Trainer:
             if not supported:
                 raise SettingError(f"TrainerConfig.precision={trainer.precision.value!r} needs an sm90+ GPU or the "
                                    f"CPU, not {why}; use TrainerConfig.precision='bf16'")
-            set_training_precision(model, trainer.precision.value, (trainer.fp8_wgrad or FP8Wgrad.bf16).value,
-                                   fp8_linears=trainer.fp8_linears)
+            try:
+                fp8_linears = set_training_precision(model, trainer.precision.value,
+                                                     (trainer.fp8_wgrad or FP8Wgrad.bf16).value,
+                                                     fp8_linears=trainer.fp8_linears)
+            except ValueError as error:
+                raise SettingError(str(error).replace("fp8_linears", "TrainerConfig.fp8_linears", 1)) from None
+            if fp8_linears:
+                log.info("trainer.fp8_linears: %d dense linears in FP8 (%s, ...)", len(fp8_linears), fp8_linears[0])
         elif trainer.fp8_wgrad is not None:
             raise SettingError(f"TrainerConfig.fp8_wgrad={trainer.fp8_wgrad.value!r} applies only with precision fp8 "
                                f"or fp8_block, not with TrainerConfig.precision={trainer.precision.value!r}; leave "

@@ -137,6 +137,9 @@ ERRORS = [
                                    "scales), not with trainer.precision=auto; set trainer.precision=fp8 or "
                                    "trainer.fp8_linears=false"),
     (["trainer.fp8_linears=true", "trainer.precision=fp8_block"], "not with trainer.precision=fp8_block"),
+    (["+recipe=qwen3_moe_lm", "+model.dim=40", "trainer.precision=fp8", "trainer.fp8_linears=true"],
+     "trainer.fp8_linears: the model's transformer blocks have no dense linear whose input and output features are "
+     "multiples of 16"),
     (["trainer.param_dtype=float16"], "expected one of [float32, bfloat16]"),
     (["trainer.param_dtype=bfloat16", "optim=sgd"], "trainer.param_dtype=bfloat16 keeps fp32 master weights in AdamW"),
     (["trainer.param_dtype=bfloat16", "trainer.precision=fp32"], "trainer.param_dtype=bfloat16 computes in bf16"),

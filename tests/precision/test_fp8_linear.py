@@ -189,3 +189,20 @@ def test_fp8_linears_without_row_wise_fp8_is_refused(precision):
     with pytest.raises(ValueError, match=f"fp8_linears applies only with precision 'fp8'.*not '{precision}'"):
         set_training_precision(model, precision, fp8_linears=True)
     assert not any(isinstance(m, FP8Linear) for m in model.modules())
+
+
+def test_fp8_linears_names_what_it_converted_and_refuses_a_model_with_nothing_to_convert():
+    """The block linears whose features are multiples of 16 are converted and named; a model with
+    none is refused (not trained as if fp8_linears were on), and the head stays as it was."""
+    from moetrain.models import build_lm
+    from moetrain.moe import set_training_precision
+
+    model = build_lm("qwen3_moe_tiny", vocab_size=64, dim=32, depth=2, max_seq_len=16)
+    names = set_training_precision(model, "fp8", fp8_linears=True)
+    assert names == [name for name, m in model.named_modules() if isinstance(m, FP8Linear)]
+    assert sorted(names) == sorted(f"blocks.{b}.attn.{p}_proj" for b in range(2) for p in "qkvo")
+    assert set_training_precision(build_lm("qwen3_moe_tiny", vocab_size=64, dim=32, depth=1), "fp8") == []
+    odd = build_lm("qwen3_moe_tiny", vocab_size=64, dim=40, depth=1, max_seq_len=16)
+    with pytest.raises(ValueError, match="no dense linear whose input and output features are multiples of 16"):
+        set_training_precision(odd, "fp8", fp8_linears=True)
+    assert not any(isinstance(m, FP8Linear) for m in odd.modules())
