@@ -157,6 +157,19 @@ def _sync_directory(directory: Path) -> None:
         os.close(fd)
 
 
+def _os_error_behind(error: BaseException) -> OSError | None:
+    """The OSError that `error` is, or was raised while handling: when a write fails part of the way
+    through, torch.save's zip writer fails again closing the file and raises a RuntimeError of its
+    own ("unexpected pos"), with the disk's OSError as its context."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        if isinstance(error, OSError):
+            return error
+        seen.add(id(error))
+        error = error.__cause__ or error.__context__
+    return None
+
+
 def write(state: dict, path: Path) -> str:
     """torch.save `state` to `path` through a temporary file renamed when complete; returns the
     sha256 of the bytes written. A crash while writing leaves only `path`.tmp behind."""
@@ -171,9 +184,10 @@ def write(state: dict, path: Path) -> str:
         os.replace(temporary, path)
     except BaseException as error:
         temporary.unlink(missing_ok=True)  # a full disk or a read-only folder leaves no .tmp behind
-        if isinstance(error, OSError):
+        cause = _os_error_behind(error)
+        if cause is not None:
             raise CheckpointError(
-                f"cannot write the checkpoint {path} ({error.strerror or error}): the checkpoints saved before it "
+                f"cannot write the checkpoint {path} ({cause.strerror or cause}): the checkpoints saved before it "
                 "are untouched; free space or make the folder writable, then continue with TrainerConfig.resume='auto'"
             ) from None
         raise

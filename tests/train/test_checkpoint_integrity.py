@@ -259,3 +259,30 @@ def test_pruning_keeps_the_newest_complete_checkpoints_and_clears_leftovers(tmp_
         "step_00000002.pt", "step_00000002.pt.sha256", "step_00000003.pt", "step_00000003.pt.sha256"]
     checkpoint.prune(folder, keep=0)  # 0 keeps every complete checkpoint
     assert len(list(folder.iterdir())) == 4
+
+
+@pytest.mark.parametrize("fails_after", [0, 3000, 200_000])
+def test_a_disk_that_fills_while_saving_gives_the_one_line_error(tmp_path, monkeypatch, fails_after):
+    """The disk fills part of the way through the file (as a 6.8 GB checkpoint met on a GPU machine):
+    torch.save's zip writer then fails again closing the file and raises a RuntimeError of its own;
+    the save still ends in CheckpointError naming ENOSPC, leaves no .tmp, and the older checkpoint
+    and its checksum stand."""
+    import errno
+
+    state = {"step": 1, "weights": torch.randn(64, 1024)}  # 256 KiB: fails_after lands inside it
+    older = checkpoint.save({"step": 0}, tmp_path, 0, keep=0)
+    real_write = checkpoint._HashingWriter.write
+    written = [0]
+
+    def filling_write(self, data):
+        if written[0] + len(data) > fails_after:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        written[0] += len(data)
+        return real_write(self, data)
+
+    monkeypatch.setattr(checkpoint._HashingWriter, "write", filling_write)
+    with pytest.raises(CheckpointError, match=r"step_00000001\.pt \(No space left on device\).*untouched"):
+        checkpoint.save(state, tmp_path, 1, keep=0)
+    folder = older.parent
+    assert sorted(p.name for p in folder.iterdir()) == ["step_00000000.pt", "step_00000000.pt.sha256"]
+    assert torch.load(older, weights_only=True) == {"step": 0}
