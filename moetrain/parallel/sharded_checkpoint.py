@@ -35,6 +35,7 @@ states were NumPy and Python objects, once the user says they trust it.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import pathlib
 import pickle
@@ -140,7 +141,8 @@ class Saver:
             future = dcp.async_save(state, checkpoint_id=str(directory), process_group=self.group)
             self.pending = (future, directory, on_complete)
         else:
-            dcp.save(state, checkpoint_id=str(directory))
+            with _disk_errors_named(directory):
+                dcp.save(state, checkpoint_id=str(directory))
             self._complete(directory, on_complete)
 
     def finish(self) -> None:
@@ -149,7 +151,8 @@ class Saver:
             return
         future, directory, on_complete = self.pending
         self.pending = None
-        (future.result() if hasattr(future, "result") else future.upload_completion.result())
+        with _disk_errors_named(directory):
+            (future.result() if hasattr(future, "result") else future.upload_completion.result())
         self._complete(directory, on_complete)
 
     @staticmethod
@@ -284,6 +287,20 @@ def load(state: dict, directory: Path, distributed: bool = True) -> dict:
         message = " ".join(str(error).split())[:300]
         raise CheckpointError(f"{directory} does not load ({type(error).__name__}: {message})") from None
     return request
+
+
+@contextlib.contextmanager
+def _disk_errors_named(directory: Path):
+    """A write that a rank's disk or folder refused (DCP gathers each rank's failure into its
+    CheckpointException, itself not an Exception) as the one-line CheckpointError of a single-file
+    checkpoint; the step gets no manifest, so resuming skips it."""
+    try:
+        yield
+    except CheckpointException as error:
+        causes = [cause for cause in map(checkpoint.os_error_behind, _failures(error)) if cause is not None]
+        if causes:
+            raise checkpoint.cannot_write(directory, causes[0]) from None
+        raise
 
 
 def _failures(error: Exception) -> list:

@@ -157,7 +157,7 @@ def _sync_directory(directory: Path) -> None:
         os.close(fd)
 
 
-def _os_error_behind(error: BaseException) -> OSError | None:
+def os_error_behind(error: BaseException) -> OSError | None:
     """The OSError that `error` is, or was raised while handling: when a write fails part of the way
     through, torch.save's zip writer fails again closing the file and raises a RuntimeError of its
     own ("unexpected pos"), with the disk's OSError as its context."""
@@ -168,6 +168,13 @@ def _os_error_behind(error: BaseException) -> OSError | None:
         seen.add(id(error))
         error = error.__cause__ or error.__context__
     return None
+
+
+def cannot_write(path: Path, cause: OSError) -> CheckpointError:
+    """The one-line error of a checkpoint the disk or the folder did not take."""
+    return CheckpointError(
+        f"cannot write the checkpoint {path} ({cause.strerror or cause}): the checkpoints saved before it "
+        "are untouched; free space or make the folder writable, then continue with TrainerConfig.resume='auto'")
 
 
 def write(state: dict, path: Path) -> str:
@@ -184,12 +191,9 @@ def write(state: dict, path: Path) -> str:
         os.replace(temporary, path)
     except BaseException as error:
         temporary.unlink(missing_ok=True)  # a full disk or a read-only folder leaves no .tmp behind
-        cause = _os_error_behind(error)
+        cause = os_error_behind(error)
         if cause is not None:
-            raise CheckpointError(
-                f"cannot write the checkpoint {path} ({cause.strerror or cause}): the checkpoints saved before it "
-                "are untouched; free space or make the folder writable, then continue with TrainerConfig.resume='auto'"
-            ) from None
+            raise cannot_write(path, cause) from None
         raise
     _sync_directory(path.parent)
     return writer.sha256.hexdigest()

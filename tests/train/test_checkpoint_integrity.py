@@ -15,10 +15,11 @@ from pathlib import Path
 import pytest
 import torch
 from test_resume import TINY, assert_same_weights, expect_exit_2, run_in_process, tiny_trainer
+from torch.distributed.checkpoint.api import CheckpointException
 
 from moetrain.config import ParallelConfig
 from moetrain.parallel import checkpoint as shards
-from moetrain.parallel import spawn
+from moetrain.parallel import sharded_checkpoint, spawn
 from moetrain.train import checkpoint
 from moetrain.train.checkpoint import CheckpointError
 from moetrain.train.trainer import Terminated
@@ -286,3 +287,33 @@ def test_a_disk_that_fills_while_saving_gives_the_one_line_error(tmp_path, monke
     folder = older.parent
     assert sorted(p.name for p in folder.iterdir()) == ["step_00000000.pt", "step_00000000.pt.sha256"]
     assert torch.load(older, weights_only=True) == {"step": 0}
+
+
+def full_disk_worker(rank: int, world_size: int, out: str) -> None:
+    """Each rank's shard of step 4 is written to /dev/full (every write: ENOSPC), as on a full disk;
+    the error each rank ends with is saved."""
+    directory = Path(out) / "step_00000004"
+    if rank == 0:
+        directory.mkdir(parents=True)
+        for r in range(world_size):
+            (directory / f"__{r}_0.distcp").symlink_to("/dev/full")
+    torch.distributed.barrier()
+    state = {"model": {"w": torch.randn(256, 256)}, "step": 4}
+    try:
+        sharded_checkpoint.Saver().save(state, directory)
+        outcome = "saved"
+    except (Exception, CheckpointException) as error:  # noqa: BLE001 - the test asserts which (DCP's is a BaseException)
+        outcome = (type(error).__name__, str(error)[:2000])
+    torch.save(outcome, Path(out) / f"full{rank}.pt")
+
+
+def test_a_full_disk_under_sharded_checkpoints_gives_the_one_line_error(tmp_path):
+    """DCP gathers each rank's write failure into a CheckpointException; the saver turns the disk's
+    OSError behind it into the CheckpointError the command prints as one line, on every rank, and the
+    step gets no manifest (so resuming skips it)."""
+    spawn(full_disk_worker, 2, args=(str(tmp_path),), backend="gloo")
+    for rank in range(2):
+        kind, message = torch.load(tmp_path / f"full{rank}.pt", weights_only=False)
+        assert kind == "CheckpointError", message
+        assert "step_00000004" in message and "No space left on device" in message and "resume='auto'" in message
+    assert not (tmp_path / "step_00000004" / checkpoint.MANIFEST).exists()
