@@ -16,8 +16,9 @@ balance loss at the preset's weight) and the same optimizer:
 
 A variant is SYSTEM[:COMPILE][:PRECISION][:LOSS]: SYSTEM moetrain or transformers; COMPILE model (the whole
 model and the loss, as the trainer compiles them; the default), blocks (each transformer block /
-decoder layer and the loss) or none; PRECISION bf16 (default) or fp8 (moetrain's expert GEMMs in FP8,
-as trainer.precision=fp8); LOSS, moetrain only: fused (the default, as trainer.fused_loss=true: the
+decoder layer and the loss) or none; PRECISION bf16 (default), fp8 (moetrain's expert GEMMs in FP8,
+as trainer.precision=fp8) or fp8_linears (the blocks' dense linears in FP8 too, as
+trainer.fp8_linears=true); LOSS, moetrain only: fused (the default, as trainer.fused_loss=true: the
 model's forward with targets, the head and the loss chunk by chunk, no logits kept) or logits (the
 logits, then the compiled loss, as transformers is measured). moetrain runs under bf16 autocast, as
 the trainer does.
@@ -82,7 +83,7 @@ def build(system: str, compile_mode: str, precision: str, fused: bool, preset: s
         with torch.device(device):
             model = build_lm(preset, max_seq_len=seq_len)
         set_parameter_dtype(model, torch.bfloat16)
-        set_training_precision(model, precision)
+        set_training_precision(model, "bf16" if precision == "bf16" else "fp8", fp8_linears=precision == "fp8_linears")
         layers = moe_layers(model)
         if compile_mode == "blocks":
             for block in model.blocks:
@@ -117,11 +118,11 @@ def measure(variant: str, args, device, batches) -> dict:
     system, compile_mode, precision = parts[0], (parts[1:2] or ["model"])[0], (parts[2:3] or ["bf16"])[0]
     loss_kind = (parts[3:4] or ["fused" if system == "moetrain" else "logits"])[0]
     if system not in ("moetrain", "transformers") or compile_mode not in ("model", "blocks", "none") \
-            or precision not in ("bf16", "fp8") or loss_kind not in ("fused", "logits") or len(parts) > 4 \
+            or precision not in ("bf16", "fp8", "fp8_linears") or loss_kind not in ("fused", "logits") or len(parts) > 4 \
             or (system == "transformers" and (precision, loss_kind) != ("bf16", "logits")):
         raise SystemExit(f"lm_step: unknown variant {variant!r}: SYSTEM[:COMPILE][:PRECISION][:LOSS] with SYSTEM "
-                         "moetrain|transformers, COMPILE model|blocks|none, PRECISION bf16|fp8, LOSS fused|logits "
-                         "(fp8 and fused: moetrain only)")
+                         "moetrain|transformers, COMPILE model|blocks|none, PRECISION bf16|fp8|fp8_linears, LOSS "
+                         "fused|logits (fp8, fp8_linears and fused: moetrain only)")
     torch.manual_seed(0)
     model, forward, autocast = build(system, compile_mode, precision, loss_kind == "fused", args.preset, args.seq_len,
                                      device)
