@@ -55,14 +55,15 @@ def _scaled_matmul(aq_MK: torch.Tensor, a_scale_M: torch.Tensor, b_NK: torch.Ten
 
 
 @torch.library.custom_op("moetrain::fp8_linear", mutates_args=())
-def _linear_op(x_MK: torch.Tensor, xq_MK: torch.Tensor, x_scale_M: torch.Tensor, w_NK: torch.Tensor) -> torch.Tensor:
+def _linear_op(x_MK: torch.Tensor, xq_MK: torch.Tensor, x_scale_M: torch.Tensor, w_NK: torch.Tensor,
+               fp8_dgrad: bool) -> torch.Tensor:
     """y = x w^T on x's E4M3 rows (xq, x_scale, quantized by the caller); x itself is kept for the
-    weight gradient."""
+    weight gradient. fp8_dgrad: the input gradient's GEMM in FP8 too, else bf16 (dy w, dy not quantized)."""
     return _scaled_matmul(xq_MK, x_scale_M, w_NK).to(x_MK.dtype).contiguous()
 
 
 @_linear_op.register_fake
-def _(x_MK, xq_MK, x_scale_M, w_NK):
+def _(x_MK, xq_MK, x_scale_M, w_NK, fp8_dgrad):
     return x_MK.new_empty((x_MK.size(0), w_NK.size(0)))
 
 
@@ -78,7 +79,7 @@ def _(dyq_MN, dy_scale_M, w_NK):
 
 
 def _linear_setup(ctx, inputs, output) -> None:
-    x_MK, _, _, w_NK = inputs
+    x_MK, _, _, w_NK, ctx.fp8_dgrad = inputs
     ctx.save_for_backward(x_MK, w_NK)
 
 
@@ -86,36 +87,17 @@ def _linear_backward(ctx, dy_MN: torch.Tensor):
     x_MK, w_NK = ctx.saved_tensors
     grad_x = grad_w = None
     if ctx.needs_input_grad[0]:
-        dyq_MN, dy_scale_M = quantize_activation_rows(dy_MN)  # plain torch: fuses into dy's producer
-        grad_x = _linear_grad_input_op(dyq_MN, dy_scale_M, w_NK).to(x_MK.dtype)
+        if ctx.fp8_dgrad:
+            dyq_MN, dy_scale_M = quantize_activation_rows(dy_MN)  # plain torch: fuses into dy's producer
+            grad_x = _linear_grad_input_op(dyq_MN, dy_scale_M, w_NK).to(x_MK.dtype)
+        else:
+            grad_x = dy_MN.to(x_MK.dtype) @ w_NK.to(x_MK.dtype)
     if ctx.needs_input_grad[3]:
         grad_w = (dy_MN.to(x_MK.dtype).t() @ x_MK).to(w_NK.dtype)
-    return grad_x, None, None, grad_w
+    return grad_x, None, None, grad_w, None
 
 
 _linear_op.register_autograd(_linear_backward, setup_context=_linear_setup)
-
-
-@torch.library.custom_op("moetrain::fp8_linear_bf16_dgrad", mutates_args=())
-def _forward_only_op(x_MK: torch.Tensor, xq_MK: torch.Tensor, x_scale_M: torch.Tensor, w_NK: torch.Tensor) -> torch.Tensor:
-    """fp8_linear's forward; its input gradient is the bf16 GEMM dy w (no quantization of dy)."""
-    return _scaled_matmul(xq_MK, x_scale_M, w_NK).to(x_MK.dtype).contiguous()
-
-
-@_forward_only_op.register_fake
-def _(x_MK, xq_MK, x_scale_M, w_NK):
-    return x_MK.new_empty((x_MK.size(0), w_NK.size(0)))
-
-
-def _forward_only_backward(ctx, dy_MN: torch.Tensor):
-    x_MK, w_NK = ctx.saved_tensors
-    dy_MN = dy_MN.to(x_MK.dtype)
-    grad_x = (dy_MN @ w_NK.to(x_MK.dtype)) if ctx.needs_input_grad[0] else None
-    grad_w = (dy_MN.t() @ x_MK).to(w_NK.dtype) if ctx.needs_input_grad[3] else None
-    return grad_x, None, None, grad_w
-
-
-_forward_only_op.register_autograd(_forward_only_backward, setup_context=_linear_setup)
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -129,7 +111,7 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     with torch.autocast(device, enabled=False):
         x_MK = x.reshape(-1, x.size(-1)).to(dtype)
         xq_MK, x_scale_M = quantize_activation_rows(x_MK)
-        y_MN = (_linear_op if fp8_dgrad else _forward_only_op)(x_MK, xq_MK, x_scale_M, weight.to(dtype))
+        y_MN = _linear_op(x_MK, xq_MK, x_scale_M, weight.to(dtype), fp8_dgrad)
         if bias is not None:
             y_MN = y_MN + bias.to(dtype)
     return y_MN.view(*x.shape[:-1], weight.size(0))
