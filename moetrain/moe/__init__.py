@@ -65,7 +65,8 @@ def set_training_precision(model: nn.Module, precision: str, fp8_wgrad: str = "b
     return replaced
 
 
-def update_router_biases(model: nn.Module) -> None:
-    """Apply the aux-loss-free bias update of every gate that has one; call after optimizer.step()."""
+def update_router_biases(model: nn.Module, skip: torch.Tensor | None = None) -> None:
+    """Apply the aux-loss-free bias update of every gate that has one; call after optimizer.step().
+    skip: a bool tensor; where true (a skipped step) no gate changes (Gate.update_bias)."""
     for layer in moe_layers(model):
-        layer.gate.update_bias()
+        layer.gate.update_bias(skip)

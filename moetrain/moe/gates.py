@@ -54,8 +54,10 @@ class Gate(nn.Module):
     def forward(self, x_TD: torch.Tensor, top_k: int) -> GateOutput:  # pragma: no cover - interface
         raise NotImplementedError
 
-    def update_bias(self) -> None:
-        """Called after each optimizer step; gates without a load-balancing bias do nothing."""
+    def update_bias(self, skip: torch.Tensor | None = None) -> None:
+        """Called after each optimizer step; gates without a load-balancing bias do nothing. skip: a
+        bool tensor on the gate's device; where true, the step was skipped and the gate is left as it
+        was (decided on the device, so the caller need not wait for it)."""
 
 
 GATES: dict[str, type[Gate]] = {}

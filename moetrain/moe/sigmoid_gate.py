@@ -86,8 +86,14 @@ class SigmoidGate(Gate):
         return GateOutput(logits_TE, probs_TE, idx_TK, weight_TK, priority_T)
 
     @torch.no_grad()
-    def update_bias(self) -> None:
-        if self.bias_update_rate == 0 or self.pending_load.sum() == 0:
+    def update_bias(self, skip: torch.Tensor | None = None) -> None:
+        if self.bias_update_rate == 0:
             return
-        self.expert_bias += self.bias_update_rate * torch.sign(self.pending_load.mean() - self.pending_load)
-        self.pending_load.zero_()
+        # No load (all zeros) moves nothing: sign(0) = 0. Decided on the device, with no host sync.
+        move_E = self.bias_update_rate * torch.sign(self.pending_load.mean() - self.pending_load)
+        if skip is None:
+            self.expert_bias += move_E
+            self.pending_load.zero_()
+        else:  # a skipped step moves nothing and keeps its load for the next update, as if never called
+            self.expert_bias += torch.where(skip, 0.0, move_E)
+            self.pending_load.copy_(torch.where(skip, self.pending_load, 0.0))

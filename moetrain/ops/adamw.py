@@ -16,6 +16,11 @@ the same arithmetic with torch's ops. Both follow torch.optim.AdamW's formula:
     param = master rounded to param's dtype
 
 A parameter that is fp32 itself (the routers) is its own master: `master` is the parameter.
+
+Two optional device scalars let the caller decide on the GPU, with no host sync, what torch's fused
+optimizers decide from the same two tensors (their `grad_scale` and `found_inf`): the gradient is
+divided by `grad_scale` before use (clipping: the norm over the limit), and where `found_inf` is
+non-zero nothing is written (a step skipped for a non-finite loss or gradient).
 """
 
 from __future__ import annotations
@@ -35,9 +40,13 @@ _ELEMENTS_PER_PROGRAM = 2048
 
 def reference(param: torch.Tensor, grad: torch.Tensor, master: torch.Tensor, exp_avg: torch.Tensor,
               exp_avg_sq: torch.Tensor, step: int, lr: float, beta1: float, beta2: float, eps: float,
-              weight_decay: float) -> None:
-    """The update with torch's ops, in fp32, in place (step counts from 1)."""
-    g = grad.float()
+              weight_decay: float, grad_scale: torch.Tensor | None = None,
+              found_inf: torch.Tensor | None = None) -> None:
+    """The update with torch's ops, in fp32, in place (step counts from 1). Reads found_inf on the
+    host (a sync on a GPU: this path runs there only without Triton or on strided tensors)."""
+    if found_inf is not None and bool(found_inf):
+        return
+    g = grad.float() if grad_scale is None else grad.float() / grad_scale.float()
     master.mul_(1 - lr * weight_decay)
     exp_avg.lerp_(g, 1 - beta1)
     exp_avg_sq.mul_(beta2).addcmul_(g, g, value=1 - beta2)
@@ -51,11 +60,16 @@ if triton is not None:
 
     @triton.jit
     def _adamw_master_kernel(param_ptr, grad_ptr, master_ptr, exp_avg_ptr, exp_avg_sq_ptr, elements,
-                             decay, beta1, beta2, eps, step_size, bias_correction2_sqrt,
-                             WRITE_PARAM: tl.constexpr, BLOCK: tl.constexpr):
+                             decay, beta1, beta2, eps, step_size, bias_correction2_sqrt, grad_scale_ptr, found_inf_ptr,
+                             WRITE_PARAM: tl.constexpr, SCALED: tl.constexpr, SKIPPABLE: tl.constexpr,
+                             BLOCK: tl.constexpr):
         index = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        if SKIPPABLE:  # a skipped step: no element is live, every load and store is masked off
+            elements = tl.where(tl.load(found_inf_ptr) != 0, 0, elements)
         mask = index < elements
         g = tl.load(grad_ptr + index, mask=mask).to(tl.float32)
+        if SCALED:  # divided exactly (IEEE), as torch's fused optimizers divide
+            g = tl.math.div_rn(g, tl.full(g.shape, tl.load(grad_scale_ptr).to(tl.float32), tl.float32))
         master = tl.load(master_ptr + index, mask=mask)
         m = tl.load(exp_avg_ptr + index, mask=mask)
         v = tl.load(exp_avg_sq_ptr + index, mask=mask)
@@ -78,11 +92,14 @@ def kernel_runs(param: torch.Tensor, grad: torch.Tensor, master: torch.Tensor) -
 
 def adamw_master_step_(param: torch.Tensor, grad: torch.Tensor, master: torch.Tensor, exp_avg: torch.Tensor,
                        exp_avg_sq: torch.Tensor, step: int, lr: float, beta1: float, beta2: float, eps: float,
-                       weight_decay: float) -> None:
+                       weight_decay: float, grad_scale: torch.Tensor | None = None,
+                       found_inf: torch.Tensor | None = None) -> None:
     """One AdamW step of `param` (any float dtype) through its fp32 `master` (which may be `param`
-    itself), with fp32 moments, all updated in place; `step` counts from 1."""
+    itself), with fp32 moments, all updated in place; `step` counts from 1. grad_scale, found_inf:
+    one-element tensors on param's device (module docstring), read by the kernel, not the host."""
     if not kernel_runs(param, grad, master):
-        reference(param, grad, master, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps, weight_decay)
+        reference(param, grad, master, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps, weight_decay, grad_scale,
+                  found_inf)
         return
     elements = param.numel()
     if elements == 0:
@@ -90,5 +107,7 @@ def adamw_master_step_(param: torch.Tensor, grad: torch.Tensor, master: torch.Te
     _adamw_master_kernel[(triton.cdiv(elements, _ELEMENTS_PER_PROGRAM),)](
         param, grad, master, exp_avg, exp_avg_sq, elements,
         1 - lr * weight_decay, beta1, beta2, eps, lr / (1 - beta1**step), math.sqrt(1 - beta2**step),
-        WRITE_PARAM=param is not master, BLOCK=_ELEMENTS_PER_PROGRAM, num_warps=8,
+        grad if grad_scale is None else grad_scale, grad if found_inf is None else found_inf,
+        WRITE_PARAM=param is not master, SCALED=grad_scale is not None, SKIPPABLE=found_inf is not None,
+        BLOCK=_ELEMENTS_PER_PROGRAM, num_warps=8,
     )

@@ -26,11 +26,34 @@ class MasterWeightAdamW(torch.optim.Optimizer):
     parameter (moetrain.ops.adamw: one pass per parameter on CUDA). fp32 parameters (the routers) are
     their own masters. The masters are in the state dict, so a resumed run continues from the same
     fp32 weights bit for bit, and they stay fp32 when a checkpoint is loaded.
+
+    Like torch's fused optimizers it takes the GradScaler protocol's two device scalars, set as
+    attributes before step() (step_with_device_flags): `grad_scale` divides every gradient and a
+    non-zero `found_inf` leaves every tensor as it was, decided by the kernel with no host sync. The
+    step counts (host numbers, for the bias corrections) are then counted as taken and put right once
+    the flag has reached the host: by the next step(), or state_dict(), whichever comes first.
     """
 
     def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 1e-2):
         super().__init__(params, {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay})
+        self._unconfirmed = None  # (found_inf on its way to the host, its copy's event, the params stepped)
+
+    def _confirm_steps(self) -> None:
+        """Take back the step counts of the last step if its found_inf said it was skipped."""
+        if self._unconfirmed is None:
+            return
+        flag, copied, stepped = self._unconfirmed
+        self._unconfirmed = None
+        if copied is not None:
+            copied.synchronize()
+        if float(flag) != 0:
+            for param in stepped:
+                self.state[param]["step"] -= 1
+
+    def state_dict(self) -> dict:
+        self._confirm_steps()
+        return super().state_dict()
 
     def load_state_dict(self, state_dict: dict) -> None:
         # torch's Optimizer.load_state_dict casts float state to each parameter's dtype: the masters and
@@ -43,6 +66,7 @@ class MasterWeightAdamW(torch.optim.Optimizer):
             for key, value in saved.get(index, {}).items():
                 if key != "step" and isinstance(value, torch.Tensor):
                     self.state[param][key] = value.to(device=param.device, dtype=torch.float32)
+        self._unconfirmed = None
 
     def _state(self, param: torch.Tensor) -> dict:
         state = self.state[param]
@@ -60,6 +84,9 @@ class MasterWeightAdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._confirm_steps()
+        grad_scale, found_inf = getattr(self, "grad_scale", None), getattr(self, "found_inf", None)
+        stepped = []
         for group in self.param_groups:
             beta1, beta2 = group["betas"]
             for param in group["params"]:
@@ -67,10 +94,48 @@ class MasterWeightAdamW(torch.optim.Optimizer):
                     continue
                 state = self._state(param)
                 state["step"] += 1
+                stepped.append(param)
                 adamw_master_step_(param, param.grad, state.get("master", param), state["exp_avg"],
                                    state["exp_avg_sq"], int(state["step"].item()), group["lr"], beta1, beta2,
-                                   group["eps"], group["weight_decay"])
+                                   group["eps"], group["weight_decay"], _on(grad_scale, param), _on(found_inf, param))
+        if found_inf is not None and stepped:
+            self._unconfirmed = _to_host(found_inf) + (stepped,)
         return loss
+
+
+def _on(scalar: torch.Tensor | None, param: torch.Tensor) -> torch.Tensor | None:
+    return None if scalar is None else scalar.to(param.device, non_blocking=True)
+
+
+def _to_host(scalar: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+    """A one-element device tensor's value on its way to the host, without waiting for it: (the host
+    tensor, the event to wait on before reading it; None on the CPU)."""
+    if scalar.device.type != "cuda":
+        return scalar.detach().clone(), None
+    host = torch.empty(scalar.shape, dtype=scalar.dtype, pin_memory=True)
+    host.copy_(scalar.detach(), non_blocking=True)
+    copied = torch.cuda.Event()
+    copied.record()
+    return host, copied
+
+
+def takes_device_flags(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether step_with_device_flags can drive this optimizer: MasterWeightAdamW, or one of torch's
+    fused optimizers (which read the same two tensors)."""
+    return isinstance(optimizer, MasterWeightAdamW) or bool(getattr(optimizer, "_step_supports_amp_scaling", False))
+
+
+def step_with_device_flags(optimizer: torch.optim.Optimizer, skip: torch.Tensor, clip: torch.Tensor | None) -> None:
+    """optimizer.step() with its gradients multiplied by `clip` (None: as they are) and no change at all
+    where `skip` is true; both are one-element tensors on the parameters' device, read there, so the
+    host neither waits for them nor learns them. Through the GradScaler protocol's grad_scale (which
+    the gradients are divided by) and found_inf (takes_device_flags)."""
+    optimizer.found_inf = skip.to(torch.float32).reshape(())
+    optimizer.grad_scale = None if clip is None else (1.0 / clip.to(torch.float32)).reshape(())
+    try:
+        optimizer.step()
+    finally:
+        del optimizer.found_inf, optimizer.grad_scale
 
 
 def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer:

@@ -47,7 +47,7 @@ from moetrain.precision.fp8_matmul import fp8_supported
 from moetrain.timing import anatomy_markdown, idle_by_host_activity, profiled_kernels, profiled_spans, step_anatomy
 from moetrain.train import checkpoint
 from moetrain.train.metrics import TensorBoard, append_metrics, flatten, load_postfix, training_throughput
-from moetrain.train.optim import build_scheduler, clip_factor
+from moetrain.train.optim import build_scheduler, clip_factor, step_with_device_flags, takes_device_flags
 from moetrain.train.processes import SingleProcess
 from moetrain.train.stream import BatchStream
 
@@ -73,6 +73,55 @@ class Terminated(RuntimeError):
     def __str__(self) -> str:
         return (f"stopped by SIGTERM at step {self.step} after saving its checkpoint; continue with "
                 f"TrainerConfig.resume='auto' in {self.run_dir}")
+
+
+class _StepRecord:
+    """What the host learns of one optimizer step: its values (loss, aux loss, stop request, gradient
+    norm, clipping factor) and routing counts, copied to the host without waiting for the GPU; read()
+    waits for the copy (on the CPU there is nothing to wait for)."""
+
+    def __init__(self, step: int, values: torch.Tensor, routing: dict[str, list]):
+        self.step, self.seconds, self.names = step, 0.0, list(routing)
+        sizes = [t.numel() for pair in routing.values() for t in pair]
+        counts = torch.cat([t.reshape(-1) for pair in routing.values() for t in pair]) if sizes else None
+        if values.device.type == "cuda":
+            self._values = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+            self._values.copy_(values.detach(), non_blocking=True)
+            self._counts = None
+            if counts is not None:
+                self._counts = torch.empty(counts.shape, dtype=counts.dtype, pin_memory=True)
+                self._counts.copy_(counts, non_blocking=True)
+            self._copied = torch.cuda.Event()
+            self._copied.record()
+        else:
+            self._values, self._counts, self._copied = values.detach(), counts, None
+        self._sizes, self.routing, self._read = sizes, {}, False
+        self.loss = self.aux = self.grad_norm = self.clip = math.nan
+        self.stop = self.finite = False
+
+    def read(self) -> _StepRecord:
+        """Wait for the copy once, then set loss, aux, grad_norm, clip, stop, finite and routing."""
+        if self._read:
+            return self
+        self._read = True
+        if self._copied is not None:
+            self._copied.synchronize()
+        self.loss, self.aux, stop, self.grad_norm, self.clip = self._values.tolist()
+        self.stop, self.finite = stop > 0, all(math.isfinite(v) for v in (self.loss, self.aux, self.grad_norm))
+        if self._counts is not None:
+            pieces = iter(torch.split(self._counts, self._sizes))
+            self.routing = {name: [next(pieces), next(pieces)] for name in self.names}
+        return self
+
+
+class _Window:
+    """The logged steps since the last log line."""
+
+    def __init__(self):
+        self.losses: list[float] = []
+        self.aux: list[float] = []
+        self.seconds = 0.0
+        self.routing = defaultdict(lambda: [0, 0])  # layer -> [tokens per expert, kept per expert]
 
 
 # Keys whose change on resume is no change to the run.
@@ -177,6 +226,11 @@ class Trainer:
         if trainer.async_checkpoint:
             self.processes.enable_async_checkpoints()
         self.scheduler = build_scheduler(self.optimizer, optim, trainer.max_steps)
+        # The optimizer decides on the device whether to clip and whether to skip a step, so the host
+        # need not wait for each step (_train_step). In one process only: the multi-process optimizers
+        # decide on the host.
+        self.device_flags = isinstance(self.processes, SingleProcess) and takes_device_flags(self.optimizer)
+        self.pending: _StepRecord | None = None  # a queued step whose numbers the host has not read
         pin = self.device.type == "cuda"
         self.stream = BatchStream(data.train_set, data.batch_size, data.num_workers, seed, pin_memory=pin,
                                   rank=self.processes.rank, world_size=self.processes.world_size)
@@ -360,11 +414,21 @@ class Trainer:
         return metrics
 
     # ---- training ----------------------------------------------------------------------------
-    def _train_step(self, routing: dict) -> tuple[float, float, float]:
-        """One optimizer step over grad_accum_steps micro-batches -> (loss, aux loss, grad norm)."""
+    def _train_step(self) -> _StepRecord:
+        """Queue one optimizer step over grad_accum_steps micro-batches; returns its record.
+
+        Where the optimizer takes its decisions on the device (self.device_flags: MasterWeightAdamW
+        or one of torch's fused optimizers, in one process), the host does not wait for the step: the
+        clipping factor and the skip of a non-finite step are tensors the optimizer's kernels read, and
+        the step's numbers (loss, gradient norm, routing counts, the stop request) travel to the host
+        while the GPU runs on. The host reads them one step later (_settle, before that step's update,
+        so a non-finite step stops the run before anything else changes), or at once where it needs them
+        (evaluation, checkpoints, the last step, a stop). The GPU then never waits for the host between
+        steps. Elsewhere the host waits for every step's numbers, then clips and updates."""
         accum = self.cfg.grad_accum_steps
         loss_total = torch.zeros((), device=self.device)
         aux_total = torch.zeros((), device=self.device)
+        routing: dict[str, list] = {}
         for _ in range(accum):
             inputs, targets, arguments = unpack_batch(next(self.stream), self.device, non_blocking=True)
             with self.autocast():
@@ -377,39 +441,105 @@ class Trainer:
             loss_total += loss.detach()
             aux_total += aux.detach()
             for name, layer in self.moe_layers.items():
-                routing[name][0] += layer.stats.tokens_per_expert
-                routing[name][1] += layer.stats.kept_per_expert
+                counts = routing.setdefault(name, [0, 0])
+                counts[0] = counts[0] + layer.stats.tokens_per_expert
+                counts[1] = counts[1] + layer.stats.kept_per_expert
         self.processes.reduce_gradients(self.model)
         grad_norm = self.processes.clip_grad_norm_(self.model, math.inf)  # measured; scaled below if need be
         max_norm = self.cfg.grad_clip
         clip = clip_factor(max_norm, grad_norm) if max_norm else torch.ones_like(grad_norm)
-        # One host sync per step: the update must not happen when anything is non-finite. The losses
-        # are averaged over ranks, so every rank logs and decides alike; a stop request (SIGTERM)
-        # rides along, so that all ranks stop after the same step when any of them got one.
-        stop = torch.tensor(float(self.stop_requested), device=self.device)
+        # The losses are averaged over ranks, so every rank logs and decides alike; a stop request
+        # (SIGTERM) rides along, so that all ranks stop after the same step when any of them got one.
+        # (torch.full, not torch.tensor: a copy from the host would wait for the GPU to catch up)
+        stop = torch.full((), float(self.stop_requested), device=self.device)
         reduced = self.processes.mean_over_ranks(torch.stack([loss_total / accum, aux_total / accum, stop]))
-        loss_value, aux_value, stop_value, norm_value, clip_value = torch.cat(
-            [reduced, grad_norm.reshape(1).to(reduced), clip.reshape(1).to(reduced)]).tolist()
-        self.stopping = stop_value > 0
-        if all(math.isfinite(v) for v in (loss_value, aux_value, norm_value)):
-            # Clipping waits for the sync: a step whose norm is under the limit skips the pass over
-            # every gradient that multiplying by 1 would be.
-            if clip_value < 1.0:
-                self.processes.clip_grads_with_norm_(self.model, max_norm, grad_norm)
-            self.optimizer.step()
-            update_router_biases(self.model)
-        elif self.cfg.on_nonfinite == NonFinite.stop:
-            raise NonFiniteLoss(
-                f"non-finite {'loss' if not math.isfinite(loss_value + aux_value) else 'gradient norm'} at step "
-                f"{self.step} (loss {loss_value}, aux loss {aux_value}, grad norm {norm_value}): lower OptimConfig.lr, "
-                "raise OptimConfig.warmup_steps, or set TrainerConfig.on_nonfinite='skip'"
-            )
+        values = torch.cat([reduced, grad_norm.reshape(1).to(reduced), clip.reshape(1).to(reduced)])
+        record = _StepRecord(self.step, values, routing)
+        if self.device_flags:
+            skip = ~(torch.isfinite(values[:2]).all() & torch.isfinite(values[3]))  # loss, aux loss, gradient norm
+            self._settle()  # the step before this one, whose numbers have reached the host by now
+            step_with_device_flags(self.optimizer, skip, clip if max_norm else None)
+            update_router_biases(self.model, skip)
+            self.pending = record
         else:
-            self.skipped_steps += 1
-            log.warning("step %d: non-finite loss or gradient, update skipped (%d so far)", self.step, self.skipped_steps)
+            self._check(record)  # waits for this step's numbers
+            if record.finite:
+                # Clipping waits for them too: a step whose norm is under the limit skips the pass
+                # over every gradient that multiplying by 1 would be.
+                if record.clip < 1.0:
+                    self.processes.clip_grads_with_norm_(self.model, max_norm, grad_norm)
+                self.optimizer.step()
+                update_router_biases(self.model)
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
-        return loss_value, aux_value, norm_value
+        return record
+
+    def _check(self, record: _StepRecord) -> None:
+        """Act on a step's numbers: stop or count a non-finite step, note a stop request."""
+        record.read()
+        self.stopping = self.stopping or record.stop
+        if record.finite:
+            return
+        loss, aux, norm = record.loss, record.aux, record.grad_norm
+        if self.cfg.on_nonfinite == NonFinite.stop:
+            raise NonFiniteLoss(
+                f"non-finite {'loss' if not math.isfinite(loss + aux) else 'gradient norm'} at step "
+                f"{record.step} (loss {loss}, aux loss {aux}, grad norm {norm}): lower OptimConfig.lr, "
+                "raise OptimConfig.warmup_steps, or set TrainerConfig.on_nonfinite='skip'"
+            )
+        self.skipped_steps += 1
+        log.warning("step %d: non-finite loss or gradient, update skipped (%d so far)", record.step, self.skipped_steps)
+
+    def _settle(self) -> None:
+        """Read, check and log the step whose numbers the host has not read yet, if any."""
+        record, self.pending = self.pending, None
+        if record is not None:
+            self._check(record)
+            self._log(record)
+
+    def _log(self, record: _StepRecord) -> None:
+        """Add a read step to the logging window; at a logging step, write the window's metrics."""
+        window = self.window
+        window.seconds += record.seconds
+        if record.finite:  # a skipped step's loss would turn the average into NaN
+            window.losses.append(record.loss)
+            window.aux.append(record.aux)
+        for name, (tokens_E, kept_E) in record.routing.items():
+            counts = window.routing[name]
+            counts[0] = counts[0] + tokens_E
+            counts[1] = counts[1] + kept_E
+        self.bar.update(1)
+        step = record.step
+        # A stop is logged at the step the run stops after (the last one the host has read).
+        stops_here = self.stopping and step == self.step
+        if not ((step % self.logger_cfg.log_every == 0 or step == self.cfg.max_steps or stops_here)
+                and window.losses):
+            return
+        metrics = self.metrics
+        samples_per_step = self.data.batch_size * self.cfg.grad_accum_steps * self.processes.world_size
+        metrics.update({
+            "train/loss": sum(window.losses) / len(window.losses),
+            "train/aux_loss": sum(window.aux) / len(window.aux),
+            "train/lr": self.optimizer.param_groups[0]["lr"],
+            "train/grad_norm": record.grad_norm,
+            "train/samples_per_sec": samples_per_step * len(window.losses) / window.seconds,
+        })
+        seq_len = self.data.model_inputs.get("max_seq_len")
+        if self.data.task == "language_modeling" and seq_len:  # tokens/s, and MFU on a GPU of known peak
+            throughput = training_throughput(
+                self.model, metrics["train/samples_per_sec"], seq_len, self.device, self.processes.world_size
+            )
+            metrics.update({f"train/{key}": value for key, value in throughput.items()})
+        self.bar.set_postfix(loss=f"{metrics['train/loss']:.4f}", samples_s=f"{metrics['train/samples_per_sec']:.0f}",
+                             **load_postfix(window.routing))
+        if self.processes.is_main:
+            append_metrics(self.run_dir, step, metrics, "train/")
+        if self.board is not None:
+            self.board.scalars({k: v for k, v in metrics.items() if k.startswith("train/")}, step)
+            self.board.scalars({"train/skipped_steps": self.skipped_steps}, step)
+            for name, (tokens_E, kept_E) in window.routing.items():
+                self.board.routing(name, tokens_E, kept_E, step)
+        self.window = _Window()
 
     def _start_profiler(self) -> torch.profiler.profile:
         activities = [torch.profiler.ProfilerActivity.CPU]
@@ -499,10 +629,8 @@ class Trainer:
         cfg = self.cfg
         if board is not None and self.step == 0:
             board.hparams(self.run_config, EVAL_TAGS)
-        samples_per_step = self.data.batch_size * cfg.grad_accum_steps * self.processes.world_size
+        self.board, self.bar, self.window, self.pending = board, bar, _Window(), None
         metrics = self.metrics
-        routing = defaultdict(lambda: [0, 0])  # layer -> [tokens per expert, kept per expert] since the last log
-        window_losses, window_aux, window_seconds = [], [], 0.0
         profiler, recent_seconds = None, deque(maxlen=3)  # trainer.profile_at: the steps before it set the wall time
         self.model.train()
         while self.step < cfg.max_steps:
@@ -510,49 +638,25 @@ class Trainer:
             if self.step == cfg.profile_at:
                 profiler = self._start_profiler()
             started = time.perf_counter()
-            loss, aux, grad_norm = self._train_step(routing)
-            seconds = time.perf_counter() - started
-            window_seconds += seconds
+            record = self._train_step()
+            record.seconds = time.perf_counter() - started
             if profiler is None:
-                recent_seconds.append(seconds)
+                recent_seconds.append(record.seconds)
             elif self.step == cfg.profile_at + _PROFILED_STEPS - 1 or self.step == cfg.max_steps:
                 self._write_anatomy(profiler, self.step - cfg.profile_at + 1, list(recent_seconds))
                 profiler = None
-            if math.isfinite(loss + aux):  # a skipped step's loss would turn the average into NaN
-                window_losses.append(loss)
-                window_aux.append(aux)
-            bar.update(1)
             last = self.step == cfg.max_steps
-            if (self.step % self.logger_cfg.log_every == 0 or last or self.stopping) and window_losses:
-                metrics.update({
-                    "train/loss": sum(window_losses) / len(window_losses),
-                    "train/aux_loss": sum(window_aux) / len(window_aux),
-                    "train/lr": self.optimizer.param_groups[0]["lr"],
-                    "train/grad_norm": grad_norm,
-                    "train/samples_per_sec": samples_per_step * len(window_losses) / window_seconds,
-                })
-                seq_len = self.data.model_inputs.get("max_seq_len")
-                if self.data.task == "language_modeling" and seq_len:  # tokens/s, and MFU on a GPU of known peak
-                    throughput = training_throughput(
-                        self.model, metrics["train/samples_per_sec"], seq_len, self.device, self.processes.world_size
-                    )
-                    metrics.update({f"train/{key}": value for key, value in throughput.items()})
-                bar.set_postfix(loss=f"{metrics['train/loss']:.4f}", samples_s=f"{metrics['train/samples_per_sec']:.0f}",
-                                **load_postfix(routing))
-                if self.processes.is_main:
-                    append_metrics(self.run_dir, self.step, metrics, "train/")
-                if board is not None:
-                    board.scalars({k: v for k, v in metrics.items() if k.startswith("train/")}, self.step)
-                    board.scalars({"train/skipped_steps": self.skipped_steps}, self.step)
-                    for name, (tokens_E, kept_E) in routing.items():
-                        board.routing(name, tokens_E, kept_E, self.step)
-                routing.clear()
-                window_losses, window_aux, window_seconds = [], [], 0.0
+            evaluates = bool(cfg.eval_every and self.step % cfg.eval_every == 0) or last
+            saves = bool(cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0) or last
+            if not self.device_flags:
+                self._log(record)  # read already
+            elif evaluates or saves or self.stopping:
+                self._settle()  # the host needs this step's outcome now
             if self.stopping and not last:  # SIGTERM: the grace period is short, so no evaluation first
                 self.save_checkpoint()
                 log.info("SIGTERM: stopped after step %d, whose checkpoint is saved", self.step)
                 raise Terminated(self.step, self.run_dir)
-            if (cfg.eval_every and self.step % cfg.eval_every == 0) or last:
+            if evaluates:
                 metrics.update(self.evaluate())
                 bar.unpause()  # the evaluation's time is not training time: keep it out of the bar's rate and ETA
                 log.info(
@@ -562,5 +666,5 @@ class Trainer:
                     board.scalars({k: v for k, v in metrics.items() if k.startswith("eval/")}, self.step)
                 if self.processes.is_main:
                     append_metrics(self.run_dir, self.step, metrics, "eval/")
-            if (cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0) or last:
+            if saves:
                 self.save_checkpoint()

@@ -258,6 +258,27 @@ def test_sigmoid_gate_bias_moves_load_toward_balance():
     assert "gate.expert_bias" in layer.state_dict() and not layer.gate.expert_bias.requires_grad
 
 
+def test_a_skipped_step_leaves_the_sigmoid_gate_as_it_was():
+    """update_bias(skip): a skipped step (skip true) moves no bias and keeps the load for the next
+    update; a kept one (skip false) is update_bias() itself, against the formula written out."""
+    torch.manual_seed(7)
+    layer = MoELayer(model_dim=16, num_experts=8, hidden_size=8, top_k=2, gate="sigmoid",
+                     gate_kwargs={"bias_update_rate": 0.02})
+    gate = layer.gate
+    gate.expert_bias.copy_(torch.randn(8) * 0.1)
+    layer(torch.randn(64, 16))
+    bias, load = gate.expert_bias.clone(), gate.pending_load.clone()
+    assert load.sum() == 64 * 2
+    update_router_biases(layer, skip=torch.tensor(True))
+    assert torch.equal(gate.expert_bias, bias) and torch.equal(gate.pending_load, load)
+    layer(torch.randn(64, 16))  # the skipped step's load and this one's are balanced together
+    load = gate.pending_load.clone()
+    assert load.sum() == 2 * 64 * 2
+    update_router_biases(layer, skip=torch.tensor(False))
+    assert torch.equal(gate.expert_bias, bias + 0.02 * torch.sign(load.mean() - load))
+    assert torch.equal(gate.pending_load, torch.zeros(8))
+
+
 def test_sigmoid_group_limited_routing_stays_in_groups():
     torch.manual_seed(6)
     gate = SigmoidGate(8, 16, n_group=4, topk_group=1)

@@ -97,11 +97,12 @@ def record_steps(trainer: Trainer, loads: list | None = None) -> list[tuple[floa
     steps = []
     take = trainer._train_step
 
-    def recording(routing):
-        steps.append(take(routing))
+    def recording():
+        record = take().read()
+        steps.append((record.loss, record.aux, record.grad_norm))
         if loads is not None:
             loads.append([layer.stats.tokens_per_expert.tolist() for layer in trainer.moe_layers.values()])
-        return steps[-1]
+        return record
 
     trainer._train_step = recording
     return steps

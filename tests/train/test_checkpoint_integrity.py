@@ -53,10 +53,10 @@ def killed_at_step_7(run_dir: Path) -> None:
     trainer = tiny_trainer(run_dir)
     step = trainer._train_step
 
-    def dies(routing):
+    def dies():
         if trainer.step == 7:
             raise KeyboardInterrupt
-        return step(routing)
+        return step()
 
     trainer._train_step = dies
     with pytest.raises(KeyboardInterrupt):
@@ -154,10 +154,10 @@ def dist_worker(rank: int, world_size: int, out_dir: str) -> None:
     stopped = trainer(out / "sigterm")
     step = stopped._train_step
 
-    def sigterm_on_rank_1(routing):
+    def sigterm_on_rank_1():
         if stopped.step == 3 and rank == 1:
             os.kill(os.getpid(), signal.SIGTERM)
-        return step(routing)
+        return step()
 
     stopped._train_step = sigterm_on_rank_1
     try:

@@ -5,6 +5,10 @@ and the trainer's casting."""
 from __future__ import annotations
 
 import io
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,7 +17,7 @@ from moetrain.config import OptimConfig, OptimizerName
 from moetrain.models import build_lm
 from moetrain.moe import moe_layers, set_parameter_dtype
 from moetrain.ops import adamw
-from moetrain.train.optim import MasterWeightAdamW, build_optimizer
+from moetrain.train.optim import MasterWeightAdamW, build_optimizer, step_with_device_flags, takes_device_flags
 
 
 
@@ -58,6 +62,44 @@ def test_fp32_parameters_are_their_own_masters():
     torch.testing.assert_close(router.detach(), reference.detach(), rtol=2e-6, atol=1e-7)
 
 
+def test_device_flags_follow_torch_fused_adamw():
+    """grad_scale and found_inf as torch's fused AdamW reads them (GradScaler's protocol): gradients
+    divided by the scale, a flagged step leaves everything as it was and is not counted, also when
+    it is the first; the counts are right in state_dict() before the next step."""
+    low, high = _pairs(5)
+    ours = MasterWeightAdamW(low, lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    torchs = torch.optim.AdamW(high, lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, fused=True)
+    generator = torch.Generator().manual_seed(6)
+    skipped_at = {0, 3}
+    for step in range(6):
+        for p, q in zip(low, high):
+            grad = torch.randn(p.shape, generator=generator).bfloat16()
+            p.grad, q.grad = grad, grad.float()
+        found_inf = torch.tensor(float(step in skipped_at))
+        grad_scale = 1 + 3 * torch.rand((), generator=generator)  # a clipping factor's inverse
+        before = [p.detach().clone() for p in low]
+        step_with_device_flags(ours, found_inf.bool(), 1 / grad_scale)
+        torchs.grad_scale, torchs.found_inf = grad_scale, found_inf
+        torchs.step()
+        if step in skipped_at:
+            assert all(torch.equal(b, p) for b, p in zip(before, low))
+        assert not hasattr(ours, "found_inf") and not hasattr(ours, "grad_scale")
+        saved = ours.state_dict()["state"]
+        assert [float(saved[i]["step"]) for i in range(len(low))] == [float(torchs.state[q]["step"]) for q in high]
+    assert float(torchs.state[high[0]]["step"]) == 4
+    for p, q in zip(low, high):
+        torch.testing.assert_close(ours.state[p]["master"], q.detach(), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(ours.state[p]["exp_avg_sq"], torchs.state[q]["exp_avg_sq"], rtol=1e-5, atol=1e-9)
+
+
+def test_takes_device_flags_names_the_optimizers_that_read_them():
+    params = [torch.nn.Parameter(torch.randn(3))]
+    assert takes_device_flags(MasterWeightAdamW(params))
+    assert takes_device_flags(torch.optim.AdamW(params, fused=True))
+    assert not takes_device_flags(torch.optim.AdamW(params))
+    assert not takes_device_flags(torch.optim.SGD(params, lr=0.1))
+
+
 def test_state_survives_a_checkpoint_bit_for_bit():
     low, _ = _pairs(2)
     copies = [torch.nn.Parameter(p.detach().clone()) for p in low]
@@ -85,28 +127,73 @@ def test_state_survives_a_checkpoint_bit_for_bit():
         assert torch.equal(first.state[p]["master"], second.state[q]["master"])
 
 
+FLAGS = {"none": (None, None), "scaled": (2.75, None), "kept": (None, 0.0), "skipped": (1.5, 1.0)}
+
+
+def kernel_checks(device: str, dtypes=(torch.bfloat16, torch.float16, torch.float32), sizes=(1, 2047, 2048, 100_003)):
+    """The Triton kernel against the reference on fresh random tensors, with and without the device
+    flags (grad_scale, found_inf); on the CPU under TRITON_INTERPRET=1 (the test below)."""
+    generator = torch.Generator().manual_seed(4)
+    for dtype in dtypes:
+        for elements in sizes:
+            for scale, found in FLAGS.values():
+                param = torch.randn(elements, generator=generator).to(device, dtype)
+                master = param.float().clone() if dtype != torch.float32 else param
+                grad = torch.randn(elements, generator=generator).to(device, dtype)
+                exp_avg, exp_avg_sq = torch.randn(elements, generator=generator), torch.rand(elements, generator=generator)
+                exp_avg, exp_avg_sq = exp_avg.to(device), exp_avg_sq.to(device)
+                state = [t.clone() for t in (param, master, exp_avg, exp_avg_sq)]
+                if dtype == torch.float32:
+                    state[1] = state[0]
+                if dtype != torch.float32 and not found:
+                    param.fill_(float("nan"))  # every element must be written
+                flags = [None if v is None else torch.tensor(v, device=device) for v in (scale, found)]
+                untouched = [t.clone() for t in (param, master, exp_avg, exp_avg_sq)]
+                launch(param, grad, master, exp_avg, exp_avg_sq, 7, 1e-3, 0.9, 0.95, 1e-8, 0.1, *flags)
+                adamw.reference(*state[:1], grad, *state[1:], 7, 1e-3, 0.9, 0.95, 1e-8, 0.1, *flags)
+                if found:  # nothing written
+                    assert all(torch.equal(a, b) for a, b in zip((param, master, exp_avg, exp_avg_sq), untouched))
+                    assert all(torch.equal(a, b) for a, b in zip(state, untouched))
+                    continue
+                for ours, theirs in zip((master, exp_avg, exp_avg_sq), state[1:]):
+                    torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=1e-7)
+                if param.is_cuda or dtype != torch.bfloat16:
+                    assert torch.equal(param, master.to(dtype))  # the parameter is its master rounded, every element
+                else:  # Triton's interpreter rounds fp32 to bf16 its own way: within one bf16 step
+                    torch.testing.assert_close(param, master.to(dtype), rtol=2**-7, atol=0)
+
+
+def launch(param, grad, master, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps, weight_decay, grad_scale, found_inf):
+    """adamw_master_step_'s kernel launch, also on CPU tensors (the interpreter)."""
+    if param.is_cuda:
+        assert adamw.kernel_runs(param, grad, master)
+        adamw.adamw_master_step_(param, grad, master, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps, weight_decay,
+                                 grad_scale, found_inf)
+        return
+    import math
+
+    import triton
+
+    adamw._adamw_master_kernel[(triton.cdiv(param.numel(), adamw._ELEMENTS_PER_PROGRAM),)](
+        param, grad, master, exp_avg, exp_avg_sq, param.numel(), 1 - lr * weight_decay, beta1, beta2, eps,
+        lr / (1 - beta1**step), math.sqrt(1 - beta2**step), grad if grad_scale is None else grad_scale,
+        grad if found_inf is None else found_inf, WRITE_PARAM=param is not master, SCALED=grad_scale is not None,
+        SKIPPABLE=found_inf is not None, BLOCK=adamw._ELEMENTS_PER_PROGRAM)
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-def test_kernel_matches_reference(dtype):
-    device = "cuda"
-    torch.manual_seed(4)
-    for elements in (1, 2047, 2048, 100_003):
-        param = torch.randn(elements, device=device).to(dtype)
-        master = param.float().clone() if dtype != torch.float32 else param
-        grad = torch.randn(elements, device=device).to(dtype)
-        exp_avg, exp_avg_sq = torch.randn(elements, device=device), torch.rand(elements, device=device)
-        state = [t.clone() for t in (param, master, exp_avg, exp_avg_sq)]
-        if dtype == torch.float32:
-            state[1] = state[0]
-        if dtype != torch.float32:
-            param.fill_(float("nan"))  # every element must be written
-        assert adamw.kernel_runs(param, grad, master)
-        adamw.adamw_master_step_(param, grad, master, exp_avg, exp_avg_sq, 7, 1e-3, 0.9, 0.95, 1e-8, 0.1)
-        adamw.reference(*state[:1], grad, *state[1:], 7, 1e-3, 0.9, 0.95, 1e-8, 0.1)
-        for ours, theirs in zip((master, exp_avg, exp_avg_sq), state[1:]):
-            torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=1e-7)
-        assert torch.equal(param, master.to(dtype))  # the parameter is its master rounded, every element
+def test_kernel_matches_reference():
+    kernel_checks("cuda")
+
+
+def test_kernel_matches_reference_in_the_interpreter():
+    pytest.importorskip("triton")
+    command = ("import sys; sys.path.insert(0, 'tests/train'); import test_master_weights as t; "
+               "t.kernel_checks('cpu', sizes=(1, 2047, 4100)); print('ok')")
+    result = subprocess.run([sys.executable, "-c", command], cwd=Path(__file__).parents[2],
+                            env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stdout[-2000:] + result.stderr[-4000:]
 
 
 def test_parameter_dtype_keeps_routers_and_buffers_fp32():

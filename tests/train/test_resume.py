@@ -62,9 +62,9 @@ def record_lrs(trainer: Trainer) -> list[float]:
     used = []
     step = trainer._train_step
 
-    def recording(routing):
+    def recording():
         used.append(trainer.optimizer.param_groups[0]["lr"])
-        return step(routing)
+        return step()
 
     trainer._train_step = recording
     return used
@@ -234,10 +234,10 @@ def test_sigterm_saves_a_checkpoint_after_the_step_and_resumes_exactly(tmp_path)
     stopped = tiny_trainer(tmp_path / "run")
     step = stopped._train_step
 
-    def sigterm_during_step_3(routing):
+    def sigterm_during_step_3():
         if stopped.step == 3:
             os.kill(os.getpid(), signal.SIGTERM)  # arrives in the middle of the step
-        return step(routing)
+        return step()
 
     stopped._train_step = sigterm_during_step_3
     handler = signal.getsignal(signal.SIGTERM)
@@ -258,10 +258,10 @@ def test_ctrl_c_still_stops_at_once_and_restores_the_handler(tmp_path):
     trainer = tiny_trainer(tmp_path)
     step = trainer._train_step
 
-    def ctrl_c(routing):
+    def ctrl_c():
         if trainer.step == 2:
             raise KeyboardInterrupt
-        return step(routing)
+        return step()
 
     trainer._train_step = ctrl_c
     handler = signal.getsignal(signal.SIGTERM)
@@ -286,10 +286,10 @@ KILLER = textwrap.dedent("""
     kill = lambda: os.kill(os.getpid(), signal.SIGTERM if how == "sigterm" else signal.SIGKILL)
     if where == "step":
         train_step = Trainer._train_step
-        def dying_step(self, routing):
+        def dying_step(self):
             if self.step == step:
                 kill()
-            return train_step(self, routing)
+            return train_step(self)
         Trainer._train_step = dying_step
     elif where == "save-data":
         write = checkpoint._HashingWriter.write

@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from moetrain.config import LoggerConfig, NonFinite, OptimConfig, TrainerConfig
+from moetrain.config import LoggerConfig, NonFinite, OptimConfig, ParamDtype, Precision, TrainerConfig
 from moetrain.data import synthetic
 from moetrain.models import VisionMoE
 from moetrain.moe import is_expert_param
@@ -52,10 +52,10 @@ def test_killed_run_resumes_to_the_same_weights(tmp_path):
     killed = make_trainer(tmp_path / "run", grad_accum_steps=2, checkpoint_every=2)
     train_step = killed._train_step
 
-    def dies_at_step_5(routing):
+    def dies_at_step_5():
         if killed.step == 5:
             raise KeyboardInterrupt
-        return train_step(routing)
+        return train_step()
 
     killed._train_step = dies_at_step_5
     with pytest.raises(KeyboardInterrupt):
@@ -96,24 +96,120 @@ class NaNAt(nn.Module):
         return logits * float("nan") if self.calls == self.call else logits
 
 
-def test_nonfinite_loss_stops_naming_the_step_and_leaves_weights_untouched(tmp_path):
+# The two ways a step is decided: on the host, which waits for the step's loss and norm (fp32
+# parameters on the CPU: torch's AdamW), and on the device, which the host reads one step later
+# (bf16 parameters: MasterWeightAdamW takes the clipping factor and the skip as tensors).
+DECIDED = {"on the host": {}, "on the device": dict(param_dtype=ParamDtype.bfloat16, precision=Precision.bf16)}
+
+
+@pytest.mark.parametrize("decided", list(DECIDED))
+def test_nonfinite_loss_stops_naming_the_step_and_leaves_weights_untouched(tmp_path, decided):
     model = NaNAt(tiny_model(), call=3)
-    trainer = make_trainer(tmp_path, model=model)
+    trainer = make_trainer(tmp_path, model=model, **DECIDED[decided])
+    assert trainer.device_flags == (decided == "on the device")
     with pytest.raises(NonFiniteLoss, match="at step 3"):
         trainer.fit()
+    # The host learns of step 3 once step 4 is queued, before step 4's update.
+    assert model.calls == (4 if trainer.device_flags else 3)
     for name, tensor in model.model.state_dict().items():
         assert torch.equal(tensor, model.weights_before[2][name]), name
 
 
-def test_nonfinite_loss_skips_the_step_when_configured(tmp_path):
+@pytest.mark.parametrize("decided", list(DECIDED))
+def test_nonfinite_loss_skips_the_step_when_configured(tmp_path, decided):
     model = NaNAt(tiny_model(), call=3)
-    metrics = make_trainer(tmp_path, model=model, on_nonfinite=NonFinite.skip, max_steps=5).fit()
+    trainer = make_trainer(tmp_path, model=model, on_nonfinite=NonFinite.skip, max_steps=5, **DECIDED[decided])
+    metrics = trainer.fit()
     assert metrics["skipped_steps"] == 1 and metrics["step"] == 5
     for name, tensor in model.weights_before[3].items():  # step 3 changed nothing
         assert torch.equal(tensor, model.weights_before[2][name]), name
     assert not torch.equal(model.weights_before[2]["head.weight"], model.weights_before[1]["head.weight"])
     assert all(torch.isfinite(p).all() for p in model.parameters())
     assert math.isfinite(json.loads((tmp_path / "metrics.json").read_text())["train/loss"])
+    counts = {float(state["step"]) for state in trainer.optimizer.state.values()}
+    assert counts == {4.0}  # the skipped step is not counted (Adam's bias correction)
+
+
+@pytest.mark.parametrize("grad_clip", [0.0, 0.05], ids=["unclipped", "clipped"])
+def test_steps_decided_on_the_device_train_as_steps_decided_on_the_host(tmp_path, grad_clip):
+    """The same bf16 run, with a non-finite step 3 skipped and every step clipped (or none), decided
+    on the device (the host one step behind) and on the host: the same weights, optimizer state,
+    skipped steps and logged metrics; bit for bit unclipped (clipped, the host multiplies the bf16
+    gradients by the factor, rounding them, and the device divides them in fp32 by its inverse)."""
+    runs = {}
+    for on_device in (True, False):
+        seed_everything(0)
+        model = NaNAt(tiny_model(), call=3)
+        trainer = make_trainer(tmp_path / str(on_device), model=model, on_nonfinite=NonFinite.skip, grad_clip=grad_clip,
+                               checkpoint_every=4, **DECIDED["on the device"])
+        trainer.device_flags = on_device
+        metrics = trainer.fit()
+        lines = [json.loads(line) for line in (tmp_path / str(on_device) / "metrics.jsonl").read_text().splitlines()]
+        runs[on_device] = trainer, metrics, lines
+    (device, device_metrics, device_lines), (host, host_metrics, host_lines) = runs[True], runs[False]
+    assert device_metrics["skipped_steps"] == host_metrics["skipped_steps"] == 1
+    assert [line["step"] for line in device_lines] == [line["step"] for line in host_lines]
+    # A line a step (log_every=1) but the skipped one's, whose window has no finite loss.
+    assert [line["step"] for line in device_lines if "train/loss" in line] == [1, 2, 4, 5, 6]
+    if grad_clip:
+        assert min(line["train/grad_norm"] for line in host_lines if "train/grad_norm" in line) > grad_clip
+    for ours, theirs in zip(device_lines, host_lines):
+        assert ours.keys() == theirs.keys()
+        for key in ours:
+            if key.startswith(("train/loss", "train/aux", "train/grad", "train/lr", "eval/")):
+                assert ours[key] == (theirs[key] if not grad_clip else pytest.approx(theirs[key], rel=2e-2)), key
+    for (name, p), q in zip(device.model.named_parameters(), host.model.parameters()):
+        ours, theirs = device.optimizer.state[p], host.optimizer.state[q]
+        assert float(ours["step"]) == float(theirs["step"]) == 5
+        # The key bias's gradient is zero but for rounding (softmax ignores what it adds to every
+        # score of a query), so Adam's steps on it follow the rounding: compared unclipped only.
+        if grad_clip and name.endswith("k_proj.bias"):
+            continue
+        if grad_clip:
+            torch.testing.assert_close(p, q, rtol=2**-7, atol=1e-3, msg=name)
+        else:
+            assert torch.equal(p, q), name
+        for key in ("master", "exp_avg", "exp_avg_sq"):
+            if key not in ours:
+                continue
+            if not grad_clip:
+                assert torch.equal(ours[key], theirs[key]), key
+            elif key == "master":  # Adam's step is about lr (3e-3) whatever the gradient's scale
+                torch.testing.assert_close(ours[key], theirs[key], rtol=0, atol=1e-3, msg=name)
+            else:  # the moments scale with the clipping factor (about 0.007 here)
+                scale = float(theirs[key].abs().max())
+                torch.testing.assert_close(ours[key], theirs[key], rtol=2e-2, atol=2e-2 * scale, msg=name)
+
+
+def test_sigterm_with_steps_decided_on_the_device_stops_a_step_later_and_resumes_exactly(tmp_path):
+    """The stop request reaches the host with its step's numbers, one step later (step 3 is no
+    checkpoint step, where the host would read it at once): the run stops after step 4 (every rank
+    alike), saves it, and resumes to the uninterrupted run's weights."""
+    import os
+    import signal
+
+    from moetrain.train.trainer import Terminated
+
+    settings = dict(checkpoint_every=5, max_steps=6, **DECIDED["on the device"])
+    reference = make_trainer(tmp_path / "reference", **settings)
+    reference.fit()
+    stopped = make_trainer(tmp_path / "run", **settings)
+    step = stopped._train_step
+
+    def sigterm_during_step_3():
+        if stopped.step == 3:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return step()
+
+    stopped._train_step = sigterm_during_step_3
+    with pytest.raises(Terminated, match="at step 4"):
+        stopped.fit()
+    saved = [p.name for p in checkpoint.checkpoints(tmp_path / "run" / "checkpoints")]
+    assert saved == ["step_00000004.pt"]  # although checkpoint_every=5
+    resumed = make_trainer(tmp_path / "run", resume="auto", **settings)
+    assert resumed.fit()["step"] == 6
+    for (name, p), q in zip(reference.model.named_parameters(), resumed.model.parameters()):
+        assert torch.equal(p, q), name
 
 
 def test_learning_rate_warms_up_then_follows_the_cosine():

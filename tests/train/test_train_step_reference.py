@@ -9,7 +9,6 @@ eval-mode determinism with router jitter on."""
 from __future__ import annotations
 
 import math
-from collections import defaultdict
 
 import pytest
 import torch
@@ -175,8 +174,8 @@ def test_two_steps_match_the_hand_written_update(tmp_path, optimizer, grad_clip)
     trainer = make_trainer(tmp_path, optimizer, grad_clip)
     start = hand_parameters(trainer.model)
     trainer.stream = Recording(trainer.stream)
-    routing = defaultdict(lambda: [0, 0])
-    reported = [trainer._train_step(routing) for _ in range(2)]
+    reported = [trainer._train_step().read() for _ in range(2)]
+    reported = [(record.loss, record.aux, record.grad_norm) for record in reported]
     batches = trainer.stream.batches
     assert len(batches) == 6
     want, want_reports = hand_steps(start, [batches[:3], batches[3:]], optimizer, grad_clip)
@@ -201,7 +200,7 @@ def test_accumulated_step_equals_one_big_batch(tmp_path):
     trainer = make_trainer(tmp_path, OptimizerName.sgd, grad_clip=0.0)
     trainer.stream = Recording(trainer.stream)
     start = hand_parameters(trainer.model)
-    _, _, norm = trainer._train_step(defaultdict(lambda: [0, 0]))
+    norm = trainer._train_step().read().grad_norm
     grads = [hand_forward_backward(start, *batch)[2] for batch in trainer.stream.batches]
     mean_norm = math.sqrt(sum(float(((sum(g[name] for g in grads) / 3) ** 2).sum()) for name in start))
     assert norm == pytest.approx(mean_norm, rel=1e-4)
@@ -209,7 +208,7 @@ def test_accumulated_step_equals_one_big_batch(tmp_path):
 
 def test_evaluate_matches_a_hand_count(tmp_path):
     trainer = make_trainer(tmp_path)
-    trainer._train_step(defaultdict(lambda: [0, 0]))
+    trainer._train_step()
     p = hand_parameters(trainer.model)
     loss_sum = correct = count = 0
     for images, labels in trainer.eval_loader:  # 20 samples in batches of 6, 6, 6, 2
