@@ -231,6 +231,8 @@ class Trainer:
         # decide on the host.
         self.device_flags = isinstance(self.processes, SingleProcess) and takes_device_flags(self.optimizer)
         self.pending: _StepRecord | None = None  # a queued step whose numbers the host has not read
+        # What fit() logs to (set by _train): the steps since the last log line, the bar, TensorBoard.
+        self.window, self.bar, self.board = _Window(), None, None
         pin = self.device.type == "cuda"
         self.stream = BatchStream(data.train_set, data.batch_size, data.num_workers, seed, pin_memory=pin,
                                   rank=self.processes.rank, world_size=self.processes.world_size)
@@ -508,12 +510,13 @@ class Trainer:
             counts = window.routing[name]
             counts[0] = counts[0] + tokens_E
             counts[1] = counts[1] + kept_E
-        self.bar.update(1)
+        if self.bar is not None:
+            self.bar.update(1)
         step = record.step
         # A stop is logged at the step the run stops after (the last one the host has read).
         stops_here = self.stopping and step == self.step
         if not ((step % self.logger_cfg.log_every == 0 or step == self.cfg.max_steps or stops_here)
-                and window.losses):
+                and window.losses and window.seconds > 0):  # (no time: steps taken outside fit(), not logged)
             return
         metrics = self.metrics
         samples_per_step = self.data.batch_size * self.cfg.grad_accum_steps * self.processes.world_size
@@ -530,8 +533,9 @@ class Trainer:
                 self.model, metrics["train/samples_per_sec"], seq_len, self.device, self.processes.world_size
             )
             metrics.update({f"train/{key}": value for key, value in throughput.items()})
-        self.bar.set_postfix(loss=f"{metrics['train/loss']:.4f}", samples_s=f"{metrics['train/samples_per_sec']:.0f}",
-                             **load_postfix(window.routing))
+        if self.bar is not None:
+            self.bar.set_postfix(loss=f"{metrics['train/loss']:.4f}",
+                                 samples_s=f"{metrics['train/samples_per_sec']:.0f}", **load_postfix(window.routing))
         if self.processes.is_main:
             append_metrics(self.run_dir, step, metrics, "train/")
         if self.board is not None:
