@@ -99,7 +99,8 @@ class MasterWeightAdamW(torch.optim.Optimizer):
                                    state["exp_avg_sq"], int(state["step"].item()), group["lr"], beta1, beta2,
                                    group["eps"], group["weight_decay"], _on(grad_scale, param), _on(found_inf, param))
         if found_inf is not None and stepped:
-            self._unconfirmed = _to_host(found_inf) + (stepped,)
+            (flag,), copied = to_host(found_inf)
+            self._unconfirmed = flag, copied, stepped
         return loss
 
 
@@ -107,16 +108,17 @@ def _on(scalar: torch.Tensor | None, param: torch.Tensor) -> torch.Tensor | None
     return None if scalar is None else scalar.to(param.device, non_blocking=True)
 
 
-def _to_host(scalar: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
-    """A one-element device tensor's value on its way to the host, without waiting for it: (the host
-    tensor, the event to wait on before reading it; None on the CPU)."""
-    if scalar.device.type != "cuda":
-        return scalar.detach().clone(), None
-    host = torch.empty(scalar.shape, dtype=scalar.dtype, pin_memory=True)
-    host.copy_(scalar.detach(), non_blocking=True)
+def to_host(*tensors: torch.Tensor) -> tuple[list[torch.Tensor], torch.cuda.Event | None]:
+    """Device tensors' values on their way to the host, without waiting for them: (host copies, the
+    event to wait on before reading them; None on the CPU, where the copies are ready)."""
+    if not tensors or tensors[0].device.type != "cuda":
+        return [t.detach().clone() for t in tensors], None
+    copies = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors]
+    for copy, tensor in zip(copies, tensors):
+        copy.copy_(tensor.detach(), non_blocking=True)
     copied = torch.cuda.Event()
     copied.record()
-    return host, copied
+    return copies, copied
 
 
 def takes_device_flags(optimizer: torch.optim.Optimizer) -> bool:

@@ -47,7 +47,7 @@ from moetrain.precision.fp8_matmul import fp8_supported
 from moetrain.timing import anatomy_markdown, idle_by_host_activity, profiled_kernels, profiled_spans, step_anatomy
 from moetrain.train import checkpoint
 from moetrain.train.metrics import TensorBoard, append_metrics, flatten, load_postfix, training_throughput
-from moetrain.train.optim import build_scheduler, clip_factor, step_with_device_flags, takes_device_flags
+from moetrain.train.optim import build_scheduler, clip_factor, step_with_device_flags, takes_device_flags, to_host
 from moetrain.train.processes import SingleProcess
 from moetrain.train.stream import BatchStream
 
@@ -83,18 +83,9 @@ class _StepRecord:
     def __init__(self, step: int, values: torch.Tensor, routing: dict[str, list]):
         self.step, self.seconds, self.names = step, 0.0, list(routing)
         sizes = [t.numel() for pair in routing.values() for t in pair]
-        counts = torch.cat([t.reshape(-1) for pair in routing.values() for t in pair]) if sizes else None
-        if values.device.type == "cuda":
-            self._values = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
-            self._values.copy_(values.detach(), non_blocking=True)
-            self._counts = None
-            if counts is not None:
-                self._counts = torch.empty(counts.shape, dtype=counts.dtype, pin_memory=True)
-                self._counts.copy_(counts, non_blocking=True)
-            self._copied = torch.cuda.Event()
-            self._copied.record()
-        else:
-            self._values, self._counts, self._copied = values.detach(), counts, None
+        counts = torch.cat([t.reshape(-1) for pair in routing.values() for t in pair]) if sizes \
+            else values.new_zeros(0, dtype=torch.int64)
+        (self._values, self._counts), self._copied = to_host(values, counts)
         self._sizes, self.routing, self._read = sizes, {}, False
         self.loss = self.aux = self.grad_norm = self.clip = math.nan
         self.stop = self.finite = False
@@ -108,9 +99,8 @@ class _StepRecord:
             self._copied.synchronize()
         self.loss, self.aux, stop, self.grad_norm, self.clip = self._values.tolist()
         self.stop, self.finite = stop > 0, all(math.isfinite(v) for v in (self.loss, self.aux, self.grad_norm))
-        if self._counts is not None:
-            pieces = iter(torch.split(self._counts, self._sizes))
-            self.routing = {name: [next(pieces), next(pieces)] for name in self.names}
+        pieces = iter(torch.split(self._counts, self._sizes))
+        self.routing = {name: [next(pieces), next(pieces)] for name in self.names}
         return self
 
 
