@@ -197,6 +197,122 @@ def test_kernel_matches_reference_in_the_interpreter():
     assert result.returncode == 0 and result.stdout.strip() == "ok", result.stdout[-2000:] + result.stderr[-4000:]
 
 
+def multi_tensor_interpreter_checks() -> None:
+    """adamw_master_tensors_ (with and without the device flags) and the optimizer on it, run under
+    TRITON_INTERPRET=1 by the test below."""
+    torch.manual_seed(5)
+    for dtype, own in ((torch.bfloat16, False), (torch.float16, False), (torch.float32, True)):
+        for scale, found in FLAGS.values():
+            flags = [None if v is None else torch.tensor(v) for v in (scale, found)]
+            updates, references, constants, untouched = [], [], [], []
+            for i, n in enumerate((1, 2047, 0, 2048, 5003)):
+                param, grad = torch.randn(n).to(dtype), torch.randn(n).to(dtype)
+                master = param if own else param.float()
+                moments = [torch.randn(n), torch.rand(n)]
+                reference = [param.clone(), grad, None, moments[0].clone(), moments[1].clone()]
+                reference[2] = reference[0] if own else master.clone()
+                if not own and not found:
+                    param.fill_(float("nan"))  # every element must be written
+                updates.append((param, grad, master, *moments))
+                untouched.append([t.clone() for t in updates[-1]])
+                references.append(reference)
+                settings = (3 + i, 1e-3 * (i + 1), 0.9 - 0.01 * i, 0.95, 1e-8, 0.1 * (i % 2))  # each tensor its own
+                constants.append(adamw.constants(*settings))
+                adamw.reference(*reference, *settings, *flags)
+            cache = {}
+            adamw.adamw_master_tensors_(updates, constants, cache, *flags)
+            assert len(cache) == 1
+            for update, before, (_, _, want_master, want_m, want_v) in zip(updates, untouched, references):
+                param, _, master, m, v = update
+                if found:
+                    assert all(torch.equal(a, b) for a, b in zip(update, before))
+                    continue
+                for got, want in ((master, want_master), (m, want_m), (v, want_v)):
+                    torch.testing.assert_close(got, want, rtol=2e-6, atol=1e-7)
+                # the parameter is its master rounded (the interpreter rounds to 16 bits its own way)
+                assert torch.isfinite(param).all() and torch.allclose(param.float(), master, rtol=2 ** -7, atol=0)
+    # The optimizer with the kernel taken on the CPU: grouping by kind, per-group weight decay and
+    # steps, the flags, against torch's fused AdamW on fp32 copies.
+    adamw.kernel_runs = lambda param, grad, master: True
+    low, high = _pairs(0, shapes=((33, 17), (5,), (4, 8, 3), (2049,)))
+    router = torch.nn.Parameter(torch.randn(8, 16))
+    router_copy = torch.nn.Parameter(router.detach().clone())
+    groups = [{"params": low[:2] + [router], "weight_decay": 0.1}, {"params": low[2:], "weight_decay": 0.0}]
+    torch_groups = [{"params": high[:2] + [router_copy], "weight_decay": 0.1}, {"params": high[2:], "weight_decay": 0.0}]
+    ours = MasterWeightAdamW(groups, lr=3e-3, betas=(0.9, 0.95), eps=1e-8)
+    torchs = torch.optim.AdamW(torch_groups, lr=3e-3, betas=(0.9, 0.95), eps=1e-8, fused=True)
+    generator = torch.Generator().manual_seed(1)
+    for step in range(5):
+        for p, q in zip(low + [router], high + [router_copy]):
+            grad = torch.randn(p.shape, generator=generator)
+            p.grad, q.grad = grad.to(p.dtype), grad.to(p.dtype).float()
+        found_inf, grad_scale = torch.tensor(float(step == 2)), 1 + torch.rand((), generator=generator)
+        step_with_device_flags(ours, found_inf.bool(), 1 / grad_scale)
+        torchs.grad_scale, torchs.found_inf = grad_scale, found_inf
+        torchs.step()
+    assert len(ours._blocks) == 2  # bf16 parameters with masters; the fp32 router, its own master
+    for p, q in zip(low, high):
+        torch.testing.assert_close(ours.state[p]["master"], q.detach(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(router.detach(), router_copy.detach(), rtol=1e-5, atol=1e-6)
+    assert float(ours.state_dict()["state"][0]["step"]) == float(torchs.state[high[0]]["step"]) == 4
+    print("ok")
+
+
+def test_the_multi_tensor_kernel_takes_only_what_it_can_vectorize():
+    """Aligned tensors of the known dtypes go to the one launch; a view 4 bytes into its storage, fp64
+    or non-fp32 moments are updated alone."""
+    def tensors(n=64, dtype=torch.bfloat16):
+        return [torch.zeros(n, dtype=dtype), torch.zeros(n, dtype=dtype), torch.zeros(n), torch.zeros(n), torch.zeros(n)]
+
+    assert adamw.multi_tensor_runs(*tensors())
+    shifted = tensors()
+    shifted[2] = torch.zeros(65)[1:]
+    assert not adamw.multi_tensor_runs(*shifted)
+    assert not adamw.multi_tensor_runs(*tensors(dtype=torch.float64))
+    half_moments = tensors()
+    half_moments[3] = half_moments[3].bfloat16()
+    assert not adamw.multi_tensor_runs(*half_moments)
+
+
+def test_the_multi_tensor_update_in_the_interpreter():
+    """One launch for many tensors of different sizes and constants: each tensor's update is the
+    reference's, its parameter its master rounded; the optimizer batches its tensors by kind."""
+    pytest.importorskip("triton")
+    command = ("import sys; sys.path.insert(0, 'tests/train'); import test_master_weights as t; "
+               "t.multi_tensor_interpreter_checks()")
+    result = subprocess.run([sys.executable, "-c", command], cwd=Path(__file__).parents[2],
+                            env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stderr[-3000:]
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("flags", list(FLAGS))
+def test_the_multi_tensor_kernel_is_the_per_tensor_kernel_bit_for_bit(dtype, flags):
+    """On the GPU both kernels take the constants in fp32: the same bits for every tensor."""
+    torch.manual_seed(6)
+    scale, found = [None if v is None else torch.tensor(v, device="cuda") for v in FLAGS[flags]]
+    batch, singles, constants = [], [], []
+    for i, n in enumerate((1, 2047, 2048, 100_003)):
+        param = torch.randn(n, device="cuda").to(dtype)
+        master = param.float().clone() if dtype != torch.float32 else param
+        tensors = [param, torch.randn(n, device="cuda").to(dtype), master, torch.randn(n, device="cuda"),
+                   torch.rand(n, device="cuda")]
+        copies = [t.clone() for t in tensors]
+        if dtype == torch.float32:
+            copies[2] = copies[0]
+        settings = (7 + i, 1e-3 * (i + 1), 0.9, 0.95, 1e-8, 0.1 * (i % 2))
+        adamw.adamw_master_step_(*copies, *settings, scale, found)
+        batch.append(tensors)
+        singles.append(copies)
+        constants.append(adamw.constants(*settings))
+    adamw.adamw_master_tensors_(batch, constants, None, scale, found)
+    for tensors, copies in zip(batch, singles):
+        for got, want in zip(tensors, copies):
+            assert torch.equal(got, want)
+
+
 def test_parameter_dtype_keeps_routers_and_buffers_fp32():
     model = build_lm("qwen3_moe_tiny")
     routers = {id(p) for layer in moe_layers(model) for p in layer.gate.parameters()}
