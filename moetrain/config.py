@@ -154,6 +154,9 @@ class OptimConfig:
     momentum: float = 0.9  # sgd
     warmup_steps: int = 100  # linear warm-up from lr / (warmup_steps + 1) to lr
     min_lr_ratio: float = 0.1  # the cosine decay ends at lr * min_lr_ratio on trainer.max_steps
+    # AdamW's moments with bf16 parameters (trainer.param_dtype=bfloat16): float32, or bfloat16 (updated
+    # in fp32, stored rounded: 20 instead of 28 bytes an element a step; docs/performance.md)
+    moment_dtype: ParamDtype = ParamDtype.float32
 
 
 @dataclass
@@ -314,6 +317,9 @@ def validate(cfg: Config, quant_formats: Sequence[str], num_experts: int | None 
         _require(getattr(trainer, key) >= 1, f"trainer.{key} must be >= 1, got {getattr(trainer, key)}")
     for key in ("eval_every", "eval_batches", "checkpoint_every", "keep_checkpoints", "profile_at"):
         _require(getattr(trainer, key) >= 0, f"trainer.{key} must be >= 0, got {getattr(trainer, key)}")
+    _require(optim.moment_dtype == ParamDtype.float32 or trainer.param_dtype == ParamDtype.bfloat16,
+             "optim.moment_dtype=bfloat16 keeps the moments of the master-weight AdamW of bf16 parameters: set "
+             "trainer.param_dtype=bfloat16 too, or optim.moment_dtype=float32")
     _require(trainer.param_dtype == ParamDtype.float32 or optim.name == OptimizerName.adamw,
              f"trainer.param_dtype=bfloat16 keeps fp32 master weights in AdamW: set optim=adamw, or "
              f"trainer.param_dtype=float32 for optim={optim.name.value}")

@@ -171,6 +171,9 @@ MUTANTS = [
     Mutant("gate_moves_on_a_skipped_step", "moetrain/moe/sigmoid_gate.py",
            "self.expert_bias += torch.where(skip, 0.0, move_E)", "self.expert_bias += move_E",
            LAYER_TESTS, "the load-balancing bias moves on a step that was skipped"),
+    Mutant("bf16_moments_never_stored", "moetrain/ops/adamw.py",
+           "    if m is not exp_avg:\n        exp_avg.copy_(m)\n", "",
+           ("tests/train/test_master_weights.py",), "AdamW's bf16 first moment is computed but never stored"),
     # ---- checkpoints
     Mutant("rng_not_restored", "moetrain/train/checkpoint.py",
            '    torch.set_rng_state(state["torch"])\n', "",

@@ -17,6 +17,10 @@ the same arithmetic with torch's ops. Both follow torch.optim.AdamW's formula:
 
 A parameter that is fp32 itself (the routers) is its own master: `master` is the parameter.
 
+The moments may be stored in bf16 instead (MasterWeightAdamW(moment_dtype=torch.bfloat16),
+optim.moment_dtype=bfloat16): read into fp32, updated and used in fp32, stored rounded to nearest.
+That moves 20 bytes an element instead of 28.
+
 Two optional device scalars let the caller decide on the GPU, with no host sync, what torch's fused
 optimizers decide from the same two tensors (their `grad_scale` and `found_inf`): the gradient is
 divided by `grad_scale` before use (clipping: the norm over the limit), and where `found_inf` is
@@ -48,10 +52,17 @@ def reference(param: torch.Tensor, grad: torch.Tensor, master: torch.Tensor, exp
         return
     g = grad.float() if grad_scale is None else grad.float() / grad_scale.float()
     master.mul_(1 - lr * weight_decay)
-    exp_avg.lerp_(g, 1 - beta1)
-    exp_avg_sq.mul_(beta2).addcmul_(g, g, value=1 - beta2)
-    denom = (exp_avg_sq.sqrt() / math.sqrt(1 - beta2**step)).add_(eps)
-    master.addcdiv_(exp_avg, denom, value=-lr / (1 - beta1**step))
+    # fp32 moments are updated in place; 16-bit ones in fp32 copies, stored rounded at the end
+    m = exp_avg if exp_avg.dtype == torch.float32 else exp_avg.float()
+    v = exp_avg_sq if exp_avg_sq.dtype == torch.float32 else exp_avg_sq.float()
+    m.lerp_(g, 1 - beta1)
+    v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+    denom = (v.sqrt() / math.sqrt(1 - beta2**step)).add_(eps)
+    master.addcdiv_(m, denom, value=-lr / (1 - beta1**step))
+    if m is not exp_avg:
+        exp_avg.copy_(m)
+    if v is not exp_avg_sq:
+        exp_avg_sq.copy_(v)
     if param is not master:
         param.copy_(master)
 
@@ -71,15 +82,15 @@ if triton is not None:
         if SCALED:  # divided exactly (IEEE), as torch's fused optimizers divide
             g = tl.math.div_rn(g, tl.full(g.shape, tl.load(grad_scale_ptr).to(tl.float32), tl.float32))
         master = tl.load(master_ptr + index, mask=mask)
-        m = tl.load(exp_avg_ptr + index, mask=mask)
-        v = tl.load(exp_avg_sq_ptr + index, mask=mask)
+        m = tl.load(exp_avg_ptr + index, mask=mask).to(tl.float32)
+        v = tl.load(exp_avg_sq_ptr + index, mask=mask).to(tl.float32)
         master = master * decay
         m = m + (1.0 - beta1) * (g - m)
         v = beta2 * v + (1.0 - beta2) * g * g
         master = master - step_size * m / (tl.sqrt(v) / bias_correction2_sqrt + eps)
         tl.store(master_ptr + index, master, mask=mask)
-        tl.store(exp_avg_ptr + index, m, mask=mask)
-        tl.store(exp_avg_sq_ptr + index, v, mask=mask)
+        tl.store(exp_avg_ptr + index, m.to(exp_avg_ptr.dtype.element_ty), mask=mask)
+        tl.store(exp_avg_sq_ptr + index, v.to(exp_avg_sq_ptr.dtype.element_ty), mask=mask)
         if WRITE_PARAM:
             tl.store(param_ptr + index, master.to(param_ptr.dtype.element_ty), mask=mask)
 
@@ -88,7 +99,8 @@ if triton is not None:
 
     @triton.jit
     def _adamw_master_tensors_kernel(addresses_ptr, settings_ptr, block_tensor_ptr, first_block_ptr, grad_scale_ptr,
-                                     found_inf_ptr, PARAM: tl.constexpr, GRAD: tl.constexpr, WRITE_PARAM: tl.constexpr,
+                                     found_inf_ptr, PARAM: tl.constexpr, GRAD: tl.constexpr, MOMENT: tl.constexpr,
+                                     WRITE_PARAM: tl.constexpr,
                                      SCALED: tl.constexpr, SKIPPABLE: tl.constexpr, BLOCK: tl.constexpr):
         # _adamw_master_kernel over many tensors in one launch: program b updates BLOCK elements of
         # tensor t = block_tensor[b], whose five addresses (param, grad, master, exp_avg, exp_avg_sq)
@@ -101,8 +113,8 @@ if triton is not None:
         param_ptr = tl.multiple_of(tl.load(row).to(tl.pointer_type(PARAM)), 16)
         grad_ptr = tl.multiple_of(tl.load(row + 1).to(tl.pointer_type(GRAD)), 16)
         master_ptr = tl.multiple_of(tl.load(row + 2).to(tl.pointer_type(tl.float32)), 16)
-        exp_avg_ptr = tl.multiple_of(tl.load(row + 3).to(tl.pointer_type(tl.float32)), 16)
-        exp_avg_sq_ptr = tl.multiple_of(tl.load(row + 4).to(tl.pointer_type(tl.float32)), 16)
+        exp_avg_ptr = tl.multiple_of(tl.load(row + 3).to(tl.pointer_type(MOMENT)), 16)
+        exp_avg_sq_ptr = tl.multiple_of(tl.load(row + 4).to(tl.pointer_type(MOMENT)), 16)
         elements = tl.load(row + 5)
         if SKIPPABLE:  # a skipped step: no element is live, every load and store is masked off
             elements = tl.where(tl.load(found_inf_ptr) != 0, 0, elements)
@@ -129,13 +141,13 @@ if triton is not None:
         if MASKED:
             g = tl.load(grad_ptr + index, mask=mask).to(tl.float32)
             master = tl.load(master_ptr + index, mask=mask)
-            m = tl.load(exp_avg_ptr + index, mask=mask)
-            v = tl.load(exp_avg_sq_ptr + index, mask=mask)
+            m = tl.load(exp_avg_ptr + index, mask=mask).to(tl.float32)
+            v = tl.load(exp_avg_sq_ptr + index, mask=mask).to(tl.float32)
         else:
             g = tl.load(grad_ptr + index).to(tl.float32)
             master = tl.load(master_ptr + index)
-            m = tl.load(exp_avg_ptr + index)
-            v = tl.load(exp_avg_sq_ptr + index)
+            m = tl.load(exp_avg_ptr + index).to(tl.float32)
+            v = tl.load(exp_avg_sq_ptr + index).to(tl.float32)
         if SCALED:
             g = tl.math.div_rn(g, tl.full(g.shape, scale, tl.float32))
         master = master * decay
@@ -144,19 +156,20 @@ if triton is not None:
         master = master - step_size * m / (tl.sqrt(v) / bias_correction2_sqrt + eps)
         if MASKED:
             tl.store(master_ptr + index, master, mask=mask)
-            tl.store(exp_avg_ptr + index, m, mask=mask)
-            tl.store(exp_avg_sq_ptr + index, v, mask=mask)
+            tl.store(exp_avg_ptr + index, m.to(exp_avg_ptr.dtype.element_ty), mask=mask)
+            tl.store(exp_avg_sq_ptr + index, v.to(exp_avg_sq_ptr.dtype.element_ty), mask=mask)
             if WRITE_PARAM:
                 tl.store(param_ptr + index, master.to(param_ptr.dtype.element_ty), mask=mask)
         else:
             tl.store(master_ptr + index, master)
-            tl.store(exp_avg_ptr + index, m)
-            tl.store(exp_avg_sq_ptr + index, v)
+            tl.store(exp_avg_ptr + index, m.to(exp_avg_ptr.dtype.element_ty))
+            tl.store(exp_avg_sq_ptr + index, v.to(exp_avg_sq_ptr.dtype.element_ty))
             if WRITE_PARAM:
                 tl.store(param_ptr + index, master.to(param_ptr.dtype.element_ty))
 
 
 _TRITON_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+MOMENT_DTYPES = (torch.float32, torch.bfloat16)  # the moments' storage
 
 
 def constants(step: int, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float) -> list[float]:
@@ -175,7 +188,7 @@ def adamw_master_tensors_(updates: list[tuple[torch.Tensor, ...]], settings: lis
                           found_inf: torch.Tensor | None = None) -> None:
     """adamw_master_step_ of many tensors in one launch: updates[i] = (param, grad, master, exp_avg,
     exp_avg_sq), settings[i] = constants(...) of that tensor. Every param must have one dtype, every
-    grad one dtype, and either every master be its param or none; each tensor contiguous, on one
+    grad one dtype, every moment one dtype, and either every master be its param or none; each tensor contiguous, on one
     device (CUDA, or the CPU under Triton's interpreter). blocks: a cache for the program-to-tensor
     map, which depends only on the tensors' sizes (pass the same dict each step). grad_scale,
     found_inf: as adamw_master_step_'s, one pair for all the tensors."""
@@ -203,7 +216,7 @@ def adamw_master_tensors_(updates: list[tuple[torch.Tensor, ...]], settings: lis
         addresses, constants_T6, block_tensor, first_block,
         constants_T6 if grad_scale is None else grad_scale, constants_T6 if found_inf is None else found_inf,
         PARAM=getattr(tl, _TRITON_DTYPES[param.dtype]), GRAD=getattr(tl, _TRITON_DTYPES[grad.dtype]),
-        WRITE_PARAM=param is not master, SCALED=grad_scale is not None, SKIPPABLE=found_inf is not None,
+        MOMENT=getattr(tl, _TRITON_DTYPES[updates[0][3].dtype]), WRITE_PARAM=param is not master, SCALED=grad_scale is not None, SKIPPABLE=found_inf is not None,
         BLOCK=_ELEMENTS_PER_PROGRAM, num_warps=8,
     )
 
@@ -216,13 +229,14 @@ def kernel_runs(param: torch.Tensor, grad: torch.Tensor, master: torch.Tensor) -
 
 def multi_tensor_runs(param: torch.Tensor, grad: torch.Tensor, master: torch.Tensor, exp_avg: torch.Tensor,
                       exp_avg_sq: torch.Tensor) -> bool:
-    """Whether adamw_master_tensors_ takes these tensors (besides kernel_runs' conditions): fp32
-    contiguous moments, a parameter and gradient dtype its kernel knows, and every address a multiple
-    of 16 bytes (the kernel is told so, to vectorize; a view at an odd offset is updated alone)."""
+    """Whether adamw_master_tensors_ takes these tensors (besides kernel_runs' conditions): contiguous
+    moments of one dtype (fp32 or bf16), a parameter and gradient dtype its kernel knows, and every
+    address a multiple of 16 bytes (the kernel is told so, to vectorize; a view at an odd offset is
+    updated alone)."""
     tensors = (param, grad, master, exp_avg, exp_avg_sq)
-    return (param.dtype in _TRITON_DTYPES and grad.dtype in _TRITON_DTYPES and exp_avg.dtype == torch.float32
-            and exp_avg_sq.dtype == torch.float32 and exp_avg.is_contiguous() and exp_avg_sq.is_contiguous()
-            and all(t.data_ptr() % 16 == 0 for t in tensors))
+    return (param.dtype in _TRITON_DTYPES and grad.dtype in _TRITON_DTYPES
+            and exp_avg.dtype in MOMENT_DTYPES and exp_avg_sq.dtype == exp_avg.dtype
+            and exp_avg.is_contiguous() and exp_avg_sq.is_contiguous() and all(t.data_ptr() % 16 == 0 for t in tensors))
 
 
 def adamw_master_step_(param: torch.Tensor, grad: torch.Tensor, master: torch.Tensor, exp_avg: torch.Tensor,

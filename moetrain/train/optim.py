@@ -7,7 +7,7 @@ import math
 import torch
 from torch import nn
 
-from moetrain.config import OptimConfig, OptimizerName
+from moetrain.config import OptimConfig, OptimizerName, ParamDtype
 from moetrain.moe import is_expert_param
 from moetrain.ops import adamw
 
@@ -24,9 +24,11 @@ class MasterWeightAdamW(torch.optim.Optimizer):
     Each bf16 (or fp16) parameter gets an fp32 master copy and fp32 moments in its state; a step
     updates the master from the 16-bit gradient and writes the master, rounded, back into the
     parameter (moetrain.ops.adamw: on CUDA one pass over all the parameters of a kind, one launch).
-    fp32 parameters (the routers) are
-    their own masters. The masters are in the state dict, so a resumed run continues from the same
-    fp32 weights bit for bit, and they stay fp32 when a checkpoint is loaded.
+    fp32 parameters (the routers) are their own masters. The masters are in the state dict, so a
+    resumed run continues from the same fp32 weights bit for bit, and they stay fp32 when a
+    checkpoint is loaded. moment_dtype=torch.bfloat16 stores both moments in bf16 (computed in fp32,
+    rounded to nearest when stored): 20 bytes moved an element instead of 28; a checkpoint's moments
+    are loaded in this optimizer's moment dtype.
 
     Like torch's fused optimizers it takes the GradScaler protocol's two device scalars, set as
     attributes before step() (step_with_device_flags): `grad_scale` divides every gradient and a
@@ -36,8 +38,11 @@ class MasterWeightAdamW(torch.optim.Optimizer):
     """
 
     def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 1e-2):
+                 weight_decay: float = 1e-2, moment_dtype: torch.dtype = torch.float32):
+        if moment_dtype not in adamw.MOMENT_DTYPES:
+            raise ValueError(f"moment_dtype must be one of {list(adamw.MOMENT_DTYPES)}, got {moment_dtype}")
         super().__init__(params, {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay})
+        self.moment_dtype = moment_dtype
         self._unconfirmed = None  # (found_inf on its way to the host, its copy's event, the params stepped)
         self._blocks: dict = {}  # adamw_master_tensors_'s program maps, by device and sizes
 
@@ -58,8 +63,8 @@ class MasterWeightAdamW(torch.optim.Optimizer):
         return super().state_dict()
 
     def load_state_dict(self, state_dict: dict) -> None:
-        # torch's Optimizer.load_state_dict casts float state to each parameter's dtype: the masters and
-        # moments of a bf16 parameter are put back in fp32, as saved.
+        # torch's Optimizer.load_state_dict casts float state to each parameter's dtype: the masters of
+        # a bf16 parameter are put back in fp32, as saved, and the moments in this optimizer's dtype.
         saved = state_dict["state"]
         super().load_state_dict(state_dict)
         indices = [index for group in state_dict["param_groups"] for index in group["params"]]
@@ -67,7 +72,8 @@ class MasterWeightAdamW(torch.optim.Optimizer):
         for index, param in zip(indices, params):
             for key, value in saved.get(index, {}).items():
                 if key != "step" and isinstance(value, torch.Tensor):
-                    self.state[param][key] = value.to(device=param.device, dtype=torch.float32)
+                    dtype = torch.float32 if key == "master" else self.moment_dtype
+                    self.state[param][key] = value.to(device=param.device, dtype=dtype)
         self._unconfirmed = None
 
     def _state(self, param: torch.Tensor) -> dict:
@@ -76,8 +82,8 @@ class MasterWeightAdamW(torch.optim.Optimizer):
             state["step"] = torch.zeros((), dtype=torch.float32)
             if param.dtype != torch.float32:
                 state["master"] = param.detach().float()
-            state["exp_avg"] = torch.zeros_like(param, dtype=torch.float32, memory_format=torch.preserve_format)
-            state["exp_avg_sq"] = torch.zeros_like(param, dtype=torch.float32, memory_format=torch.preserve_format)
+            state["exp_avg"] = torch.zeros_like(param, dtype=self.moment_dtype, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(param, dtype=self.moment_dtype, memory_format=torch.preserve_format)
         return state
 
     @torch.no_grad()
@@ -104,7 +110,7 @@ class MasterWeightAdamW(torch.optim.Optimizer):
                 update = (param, param.grad, master, state["exp_avg"], state["exp_avg_sq"])
                 settings = (int(state["step"].item()), group["lr"], beta1, beta2, group["eps"], group["weight_decay"])
                 if adamw.kernel_runs(param, param.grad, master) and adamw.multi_tensor_runs(*update):
-                    kind = (param.device, param.dtype, param.grad.dtype, master is param)
+                    kind = (param.device, param.dtype, param.grad.dtype, master is param)  # moments: one dtype
                     updates, constants = batches.setdefault(kind, ([], []))
                     updates.append(update)
                     constants.append(adamw.constants(*settings))
@@ -159,7 +165,8 @@ def step_with_device_flags(optimizer: torch.optim.Optimizer, skip: torch.Tensor,
 def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer:
     """AdamW or SGD over the model's trainable parameters, weight decay on weight matrices only. With
     16-bit parameters (TrainerConfig.param_dtype=bfloat16) AdamW keeps fp32 master weights
-    (MasterWeightAdamW); SGD needs fp32 parameters."""
+    (MasterWeightAdamW), its moments in OptimConfig.moment_dtype; SGD needs fp32 parameters, and bf16
+    moments need 16-bit parameters."""
     parameters = [p for p in model.parameters() if p.requires_grad]
     groups = [
         {"params": [p for p in parameters if _decays(p)], "weight_decay": cfg.weight_decay},
@@ -175,7 +182,12 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer
         if cfg.name != OptimizerName.adamw:
             raise ValueError(f"OptimConfig.name={cfg.name.value!r} needs fp32 parameters: use 'adamw', whose "
                              "fp32 master weights make 16-bit parameters trainable")
-        return MasterWeightAdamW(groups, lr=cfg.lr, betas=betas, eps=cfg.eps)
+        return MasterWeightAdamW(groups, lr=cfg.lr, betas=betas, eps=cfg.eps,
+                                 moment_dtype=getattr(torch, cfg.moment_dtype.value))
+    if cfg.moment_dtype != ParamDtype.float32:
+        raise ValueError(f"OptimConfig.moment_dtype={cfg.moment_dtype.value!r} keeps the moments of the "
+                         "master-weight AdamW of 16-bit parameters: set TrainerConfig.param_dtype='bfloat16', or "
+                         "OptimConfig.moment_dtype='float32'")
     if cfg.name == OptimizerName.adamw:
         return torch.optim.AdamW(groups, lr=cfg.lr, betas=betas, eps=cfg.eps, fused=fused)
     return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum, fused=fused)

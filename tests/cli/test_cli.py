@@ -143,6 +143,9 @@ ERRORS = [
     (["trainer.param_dtype=float16"], "expected one of [float32, bfloat16]"),
     (["trainer.param_dtype=bfloat16", "optim=sgd"], "trainer.param_dtype=bfloat16 keeps fp32 master weights in AdamW"),
     (["trainer.param_dtype=bfloat16", "trainer.precision=fp32"], "trainer.param_dtype=bfloat16 computes in bf16"),
+    (["optim.moment_dtype=bfloat16"], "optim.moment_dtype=bfloat16 keeps the moments of the master-weight AdamW of "
+                                      "bf16 parameters: set trainer.param_dtype=bfloat16 too"),
+    (["optim.moment_dtype=float16"], "expected one of [float32, bfloat16]"),
     (["trainer.profile_at=-1"], "trainer.profile_at must be >= 0"),
     (["gate.top_k=9"], "gate.top_k=9 exceeds model.num_experts=4"),
     (["-m", "gate.top_k=1,9"], "gate.top_k=9 exceeds model.num_experts=4"),

@@ -5,6 +5,7 @@ and the trainer's casting."""
 from __future__ import annotations
 
 import io
+import itertools
 import os
 import subprocess
 import sys
@@ -92,6 +93,45 @@ def test_device_flags_follow_torch_fused_adamw():
         torch.testing.assert_close(ours.state[p]["exp_avg_sq"], torchs.state[q]["exp_avg_sq"], rtol=1e-5, atol=1e-9)
 
 
+@pytest.mark.parametrize("weight_decay", [0.0, 0.1])
+def test_bf16_moments_follow_torch_adamw_with_its_moments_rounded(weight_decay):
+    """moment_dtype=bfloat16: the moments updated in fp32 and stored rounded to nearest bf16, against
+    torch's AdamW on fp32 copies whose moments are rounded to bf16 after each of its steps; they are
+    stored (and checkpointed) as bf16, and a checkpoint's fp32 moments load as bf16."""
+    low, high = _pairs(7)
+    ours = MasterWeightAdamW(low, lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=weight_decay,
+                             moment_dtype=torch.bfloat16)
+    torchs = torch.optim.AdamW(high, lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=weight_decay, foreach=False)
+    generator = torch.Generator().manual_seed(8)
+    for _ in range(6):
+        for p, q in zip(low, high):
+            grad = torch.randn(p.shape, generator=generator).bfloat16()
+            p.grad, q.grad = grad, grad.float()
+        ours.step()
+        torchs.step()
+        for q in high:
+            for key in ("exp_avg", "exp_avg_sq"):
+                torchs.state[q][key].copy_(torchs.state[q][key].bfloat16())
+    for p, q in zip(low, high):
+        state = ours.state[p]
+        assert state["exp_avg"].dtype == state["exp_avg_sq"].dtype == torch.bfloat16
+        for key in ("exp_avg", "exp_avg_sq"):
+            torch.testing.assert_close(state[key], torchs.state[q][key].bfloat16(), rtol=2**-7, atol=1e-6)
+        torch.testing.assert_close(state["master"], q.detach(), rtol=1e-5, atol=1e-6)
+    buffer = io.BytesIO()
+    torch.save(ours.state_dict(), buffer)
+    buffer.seek(0)
+    saved = torch.load(buffer, weights_only=True)
+    assert saved["state"][0]["exp_avg"].dtype == torch.bfloat16 and saved["state"][0]["master"].dtype == torch.float32
+    fp32_moments = MasterWeightAdamW(low, lr=3e-3)
+    fp32_moments.load_state_dict(saved)
+    assert fp32_moments.state[low[0]]["exp_avg"].dtype == torch.float32  # each optimizer keeps its own dtype
+    ours.load_state_dict(fp32_moments.state_dict())
+    assert ours.state[low[0]]["exp_avg"].dtype == torch.bfloat16
+    with pytest.raises(ValueError, match="moment_dtype must be one of"):
+        MasterWeightAdamW(low, moment_dtype=torch.float16)
+
+
 def test_takes_device_flags_names_the_optimizers_that_read_them():
     params = [torch.nn.Parameter(torch.randn(3))]
     assert takes_device_flags(MasterWeightAdamW(params))
@@ -132,16 +172,16 @@ FLAGS = {"none": (None, None), "scaled": (2.75, None), "kept": (None, 0.0), "ski
 
 def kernel_checks(device: str, dtypes=(torch.bfloat16, torch.float16, torch.float32), sizes=(1, 2047, 2048, 100_003)):
     """The Triton kernel against the reference on fresh random tensors, with and without the device
-    flags (grad_scale, found_inf); on the CPU under TRITON_INTERPRET=1 (the test below)."""
+    flags (grad_scale, found_inf), with fp32 and bf16 moments; on the CPU under TRITON_INTERPRET=1
+    (the test below)."""
     generator = torch.Generator().manual_seed(4)
-    for dtype in dtypes:
-        for elements in sizes:
+    for dtype, moments, elements in itertools.product(dtypes, adamw.MOMENT_DTYPES, sizes):
             for scale, found in FLAGS.values():
                 param = torch.randn(elements, generator=generator).to(device, dtype)
                 master = param.float().clone() if dtype != torch.float32 else param
                 grad = torch.randn(elements, generator=generator).to(device, dtype)
                 exp_avg, exp_avg_sq = torch.randn(elements, generator=generator), torch.rand(elements, generator=generator)
-                exp_avg, exp_avg_sq = exp_avg.to(device), exp_avg_sq.to(device)
+                exp_avg, exp_avg_sq = exp_avg.to(device, moments), exp_avg_sq.to(device, moments)
                 state = [t.clone() for t in (param, master, exp_avg, exp_avg_sq)]
                 if dtype == torch.float32:
                     state[1] = state[0]
@@ -155,9 +195,13 @@ def kernel_checks(device: str, dtypes=(torch.bfloat16, torch.float16, torch.floa
                     assert all(torch.equal(a, b) for a, b in zip((param, master, exp_avg, exp_avg_sq), untouched))
                     assert all(torch.equal(a, b) for a, b in zip(state, untouched))
                     continue
-                for ours, theirs in zip((master, exp_avg, exp_avg_sq), state[1:]):
-                    # an fp32 ulp or two apart (the kernel's fused multiply-adds against torch's ops)
-                    torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)
+                # an fp32 ulp or two apart (the kernel's fused multiply-adds against torch's ops)
+                torch.testing.assert_close(master, state[1], rtol=1e-5, atol=1e-6)
+                for ours, theirs in zip((exp_avg, exp_avg_sq), state[2:]):
+                    assert ours.dtype == moments
+                    # bf16 moments: an ulp of fp32 arithmetic (near a cancellation, more) may round them either way
+                    torch.testing.assert_close(ours, theirs, **(dict(rtol=1e-5, atol=1e-6) if moments == torch.float32
+                                                                else dict(rtol=2**-7, atol=1e-6)))
                 if param.is_cuda or dtype != torch.bfloat16:
                     assert torch.equal(param, master.to(dtype))  # the parameter is its master rounded, every element
                 else:  # Triton's interpreter rounds fp32 to bf16 its own way: within one bf16 step
@@ -201,19 +245,20 @@ def multi_tensor_interpreter_checks() -> None:
     """adamw_master_tensors_ (with and without the device flags) and the optimizer on it, run under
     TRITON_INTERPRET=1 by the test below."""
     torch.manual_seed(5)
-    for dtype, own in ((torch.bfloat16, False), (torch.float16, False), (torch.float32, True)):
+    kinds = ((torch.bfloat16, False), (torch.float16, False), (torch.float32, True))
+    for (dtype, own), moments in itertools.product(kinds, adamw.MOMENT_DTYPES):
         for scale, found in FLAGS.values():
             flags = [None if v is None else torch.tensor(v) for v in (scale, found)]
             updates, references, constants, untouched = [], [], [], []
             for i, n in enumerate((1, 2047, 0, 2048, 5003)):
                 param, grad = torch.randn(n).to(dtype), torch.randn(n).to(dtype)
                 master = param if own else param.float()
-                moments = [torch.randn(n), torch.rand(n)]
-                reference = [param.clone(), grad, None, moments[0].clone(), moments[1].clone()]
+                state = [torch.randn(n).to(moments), torch.rand(n).to(moments)]
+                reference = [param.clone(), grad, None, state[0].clone(), state[1].clone()]
                 reference[2] = reference[0] if own else master.clone()
                 if not own and not found:
                     param.fill_(float("nan"))  # every element must be written
-                updates.append((param, grad, master, *moments))
+                updates.append((param, grad, master, *state))
                 untouched.append([t.clone() for t in updates[-1]])
                 references.append(reference)
                 settings = (3 + i, 1e-3 * (i + 1), 0.9 - 0.01 * i, 0.95, 1e-8, 0.1 * (i % 2))  # each tensor its own
@@ -227,8 +272,11 @@ def multi_tensor_interpreter_checks() -> None:
                 if found:
                     assert all(torch.equal(a, b) for a, b in zip(update, before))
                     continue
-                for got, want in ((master, want_master), (m, want_m), (v, want_v)):
-                    torch.testing.assert_close(got, want, rtol=2e-6, atol=1e-7)
+                torch.testing.assert_close(master, want_master, rtol=2e-6, atol=1e-7)
+                for got, want in ((m, want_m), (v, want_v)):
+                    assert got.dtype == moments
+                    torch.testing.assert_close(got, want, **(dict(rtol=2e-6, atol=1e-7) if moments == torch.float32
+                                                             else dict(rtol=2**-7, atol=1e-6)))
                 # the parameter is its master rounded (the interpreter rounds to 16 bits its own way)
                 assert torch.isfinite(param).all() and torch.allclose(param.float(), master, rtol=2 ** -7, atol=0)
     # The optimizer with the kernel taken on the CPU: grouping by kind, per-group weight decay and
@@ -326,10 +374,14 @@ def test_parameter_dtype_keeps_routers_and_buffers_fp32():
     assert isinstance(optimizer, MasterWeightAdamW)
     with pytest.raises(ValueError, match="needs fp32 parameters"):
         build_optimizer(model, OptimConfig(name=OptimizerName.sgd))
+    from moetrain.config import ParamDtype
+
+    with pytest.raises(ValueError, match="moment_dtype='bfloat16' keeps the moments of the master-weight AdamW"):
+        build_optimizer(build_lm("qwen3_moe_tiny"), OptimConfig(moment_dtype=ParamDtype.bfloat16))
 
 
-def _tiny_lm_trainer(run_dir, **trainer_settings):
-    from moetrain.config import LoggerConfig, TrainerConfig
+def _tiny_lm_trainer(run_dir, moment_dtype="float32", **trainer_settings):
+    from moetrain.config import LoggerConfig, ParamDtype, TrainerConfig
     from moetrain.data.text import synthetic_lm
     from moetrain.train import Trainer, seed_everything
 
@@ -339,15 +391,18 @@ def _tiny_lm_trainer(run_dir, **trainer_settings):
     settings = dict(max_steps=6, eval_every=0, eval_batches=1, checkpoint_every=3, keep_checkpoints=0,
                     progress_bar=False, param_dtype="bfloat16")
     settings.update(trainer_settings)
-    return Trainer(model, data, trainer=TrainerConfig(**settings), optim=OptimConfig(lr=3e-3, warmup_steps=1),
+    optim = OptimConfig(lr=3e-3, warmup_steps=1, moment_dtype=ParamDtype(moment_dtype))
+    return Trainer(model, data, trainer=TrainerConfig(**settings), optim=optim,
                    logger=LoggerConfig(tensorboard=False, log_every=1), run_dir=run_dir, seed=0,
                    run_config={"model": {"name": "tiny"}, "trainer": {"max_steps": settings["max_steps"]}})
 
 
-def test_the_trainer_trains_bf16_parameters_and_resumes_them_exactly(tmp_path):
+@pytest.mark.parametrize("moments", ["float32", "bfloat16"])
+def test_the_trainer_trains_bf16_parameters_and_resumes_them_exactly(tmp_path, moments):
     from moetrain.config import ParamDtype
 
-    straight = _tiny_lm_trainer(tmp_path / "straight", param_dtype=ParamDtype.bfloat16)
+    straight = _tiny_lm_trainer(tmp_path / "straight", param_dtype=ParamDtype.bfloat16, moment_dtype=moments)
+    assert straight.optimizer.moment_dtype == getattr(torch, moments)
     routers = {id(p) for layer in moe_layers(straight.model) for p in layer.gate.parameters()}
     assert isinstance(straight.optimizer, MasterWeightAdamW)
     assert {p.dtype for p in straight.model.parameters() if id(p) not in routers} == {torch.bfloat16}
@@ -357,7 +412,8 @@ def test_the_trainer_trains_bf16_parameters_and_resumes_them_exactly(tmp_path):
                if "gate" not in name)  # every weight trained (bf16 rounding did not swallow the updates)
     # From the straight run's checkpoint at step 3 (fp32 masters, moments, bf16 weights) to step 6.
     middle = tmp_path / "straight" / "checkpoints" / "step_00000003.pt"
-    resumed = _tiny_lm_trainer(tmp_path / "resumed", param_dtype=ParamDtype.bfloat16, resume=str(middle))
+    resumed = _tiny_lm_trainer(tmp_path / "resumed", param_dtype=ParamDtype.bfloat16, resume=str(middle),
+                               moment_dtype=moments)
     resumed.fit()
     for (name, p), q in zip(straight.model.named_parameters(), resumed.model.parameters()):
         assert torch.equal(p, q), name
