@@ -217,8 +217,12 @@ at::Tensor dispatch_cuda(const at::Tensor& x_in, const at::Tensor& dest_in, int6
 
 // ---------------------------------------------------------------------------------------------
 // combine: y[t] = sum_k weight[t, k] * buf[dest[t, k]] in the op-math type, dropped entries skipped.
+// With K, the choices per token, known at compile time (K > 0: the common top-k), a token's row
+// indices and weights are read once, before its row, and each thread requests the vectors of all K
+// rows before it sums any: K loads in flight instead of one chain of dependent ones. The sum runs in
+// choice order either way, so both versions give the same bits. K = 0: k read at run time.
 
-template <typename scalar_t, typename acc_t, int VEC>
+template <typename scalar_t, typename acc_t, int VEC, int K>
 __global__ void combine_kernel(const scalar_t* __restrict__ buf, const int64_t* __restrict__ dest,
                                const acc_t* __restrict__ weight, int64_t tokens, int k, int64_t rows,
                                int64_t vectors, scalar_t* __restrict__ y) {
@@ -227,24 +231,70 @@ __global__ void combine_kernel(const scalar_t* __restrict__ buf, const int64_t* 
   if (t >= tokens) return;
   const V* rows_in = reinterpret_cast<const V*>(buf);
   V* out = reinterpret_cast<V*>(y) + t * vectors;
-  for (int64_t c = threadIdx.x; c < vectors; c += blockDim.x) {
-    acc_t acc[VEC];
+  if constexpr (K > 0) {
+    int64_t row_of[K];
+    acc_t scale_of[K];
 #pragma unroll
-    for (int j = 0; j < VEC; ++j) acc[j] = acc_t(0);
-#pragma unroll 4
-    for (int choice = 0; choice < k; ++choice) {
-      const int64_t row = dest[t * k + choice];
+    for (int choice = 0; choice < K; ++choice) {
+      const int64_t row = dest[t * K + choice];
       CUDA_KERNEL_ASSERT(row < rows);
-      if (row < 0 || row >= rows) continue;
-      const acc_t scale = weight != nullptr ? weight[t * k + choice] : acc_t(1);
-      const V in = rows_in[row * vectors + c];
-#pragma unroll
-      for (int j = 0; j < VEC; ++j) acc[j] += scale * static_cast<acc_t>(in.v[j]);
+      row_of[choice] = (row >= 0 && row < rows) ? row : -1;
+      scale_of[choice] = weight != nullptr ? weight[t * K + choice] : acc_t(1);
     }
-    V result;
+    for (int64_t c = threadIdx.x; c < vectors; c += blockDim.x) {
+      V in[K];
 #pragma unroll
-    for (int j = 0; j < VEC; ++j) result.v[j] = static_cast<scalar_t>(acc[j]);
-    out[c] = result;
+      for (int choice = 0; choice < K; ++choice) {
+        if (row_of[choice] >= 0) in[choice] = rows_in[row_of[choice] * vectors + c];
+      }
+      acc_t acc[VEC];
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) acc[j] = acc_t(0);
+#pragma unroll
+      for (int choice = 0; choice < K; ++choice) {
+        if (row_of[choice] < 0) continue;
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) acc[j] += scale_of[choice] * static_cast<acc_t>(in[choice].v[j]);
+      }
+      V result;
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) result.v[j] = static_cast<scalar_t>(acc[j]);
+      out[c] = result;
+    }
+  } else {
+    for (int64_t c = threadIdx.x; c < vectors; c += blockDim.x) {
+      acc_t acc[VEC];
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) acc[j] = acc_t(0);
+#pragma unroll 4
+      for (int choice = 0; choice < k; ++choice) {
+        const int64_t row = dest[t * k + choice];
+        CUDA_KERNEL_ASSERT(row < rows);
+        if (row < 0 || row >= rows) continue;
+        const acc_t scale = weight != nullptr ? weight[t * k + choice] : acc_t(1);
+        const V in = rows_in[row * vectors + c];
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) acc[j] += scale * static_cast<acc_t>(in.v[j]);
+      }
+      V result;
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) result.v[j] = static_cast<scalar_t>(acc[j]);
+      out[c] = result;
+    }
+  }
+}
+
+// fn(std::integral_constant<int, K>) for the choices per token combine_kernel unrolls (1, 2, 4, 6, 8:
+// Switch, GShard and Mixtral, Qwen3-style, DeepSeek-V3), K = 0 (read at run time) for any other k.
+template <typename Fn>
+void with_choices(int64_t k, const Fn& fn) {
+  switch (k) {
+    case 1: fn(std::integral_constant<int, 1>{}); break;
+    case 2: fn(std::integral_constant<int, 2>{}); break;
+    case 4: fn(std::integral_constant<int, 4>{}); break;
+    case 6: fn(std::integral_constant<int, 6>{}); break;
+    case 8: fn(std::integral_constant<int, 8>{}); break;
+    default: fn(std::integral_constant<int, 0>{}); break;
   }
 }
 
@@ -268,9 +318,12 @@ at::Tensor combine_cuda(const at::Tensor& buf_in, const at::Tensor& dest_in, con
     with_vector_width<scalar_t>(width, [&](auto vec) {
       constexpr int VEC = decltype(vec)::value;
       const auto launch = row_launch(tokens, dim / VEC);
-      combine_kernel<scalar_t, acc_t, VEC><<<launch.grid, launch.block, 0, c10::cuda::getCurrentCUDAStream()>>>(
-          buf.data_ptr<scalar_t>(), dest.data_ptr<int64_t>(), w, tokens, static_cast<int>(k), rows, dim / VEC,
-          y.data_ptr<scalar_t>());
+      with_choices(k, [&](auto choices) {
+        constexpr int K = decltype(choices)::value;
+        combine_kernel<scalar_t, acc_t, VEC, K><<<launch.grid, launch.block, 0, c10::cuda::getCurrentCUDAStream()>>>(
+            buf.data_ptr<scalar_t>(), dest.data_ptr<int64_t>(), w, tokens, static_cast<int>(k), rows, dim / VEC,
+            y.data_ptr<scalar_t>());
+      });
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     });
   });

@@ -106,6 +106,30 @@ def test_dispatch_combine_forward_backward(dtype, dim, layout):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=dtype_id)
+@pytest.mark.parametrize("k", [1, 2, 3, 4, 6, 8, 9])
+@pytest.mark.parametrize("dim", [7, 2048])
+def test_combine_kernel_against_a_naive_loop_for_every_k(dtype, k, dim):
+    """combine for the choices per token its kernel unrolls (1, 2, 4, 6, 8) and those it reads at run
+    time (3, 9), on the vector path (2048) and the scalar one (7), with dropped choices (capacity):
+    each token's kept rows weighted and summed, against a loop over tokens and choices."""
+    tokens, num_experts = 257, 16
+    dest, rows = plan(choices(tokens, k, num_experts, "crowded"), num_experts, 24, packed=False)
+    assert (dest < 0).any()
+    buf = torch.randn(rows, dim, device="cuda", dtype=dtype)
+    weight = torch.rand(tokens, k, device="cuda")
+    got = torch.ops.moetrain.combine(buf, dest, weight)
+    want = torch.zeros(tokens, dim, device="cuda")
+    for t, j in (dest >= 0).nonzero().tolist():
+        want[t] += weight[t, j] * buf[dest[t, j]].float()
+    assert rel_err(got, want) <= TOL[dtype]
+    unweighted = torch.ops.moetrain.combine(buf, dest, None)
+    want = torch.zeros(tokens, dim, device="cuda")
+    for t, j in (dest >= 0).nonzero().tolist():
+        want[t] += buf[dest[t, j]].float()
+    assert rel_err(unweighted, want) <= TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=dtype_id)
 def test_combine_backward_kernel_against_formula(dtype):
     """combine_backward's two outputs against their formulas, with and without the weight grad."""
     tokens, k, num_experts, dim = 129, 2, 8, 256
