@@ -36,9 +36,14 @@ class SingleProcess:
         """The global gradient norm; scales the gradients to at most max_norm (inf: only measures:
         torch's clip_grad_norm_ would still multiply every gradient by 1, a pass over all of them)."""
         grads = [param.grad for param in model.parameters() if param.grad is not None]
-        # In fp32 whatever the gradients' dtype (torch's get_total_norm returns bf16 for bf16 gradients).
-        total = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, 2.0, dtype=torch.float32))) if grads \
-            else torch.zeros(())
+        # In fp32 whatever the gradients' dtype (torch's get_total_norm returns bf16 for bf16 gradients),
+        # one _foreach_norm per dtype and device: given a list of mixed dtypes (bf16 gradients, the
+        # routers' fp32 ones) torch takes its slow path, one reduction kernel per tensor.
+        groups: dict[tuple, list[torch.Tensor]] = {}
+        for grad in grads:
+            groups.setdefault((grad.device, grad.dtype), []).append(grad)
+        norms = [norm for group in groups.values() for norm in torch._foreach_norm(group, 2.0, dtype=torch.float32)]
+        total = torch.linalg.vector_norm(torch.stack(norms)) if norms else torch.zeros(())
         if max_norm != float("inf"):
             torch.nn.utils.clip_grads_with_norm_([p for p in model.parameters() if p.grad is not None], max_norm, total)
         return total

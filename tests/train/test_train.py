@@ -354,6 +354,38 @@ def test_gradient_norm_and_clipping_of_one_process(max_norm):
             torch.testing.assert_close(a, b * (max_norm / want), rtol=1e-5, atol=1e-7)
 
 
+def test_the_gradient_norm_of_mixed_dtypes_takes_one_foreach_call_per_dtype():
+    """bf16 gradients with fp32 ones (the routers'), as bf16 parameters give them: the norm is the
+    formula's over the raw values, and each _foreach_norm call gets one dtype (a mixed list sends torch
+    down its slow path, one reduction kernel per tensor)."""
+    from torch.utils._python_dispatch import TorchDispatchMode  # noqa: PLC0415
+
+    from moetrain.train.processes import SingleProcess  # noqa: PLC0415
+
+    class ForeachNorms(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.calls = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.__name__.startswith("_foreach_norm"):
+                self.calls.append({t.dtype for t in args[0]})
+            return func(*args, **(kwargs or {}))
+
+    generator = torch.Generator().manual_seed(3)
+    shapes = [((33, 7), torch.bfloat16), ((5,), torch.float32), ((4, 9), torch.bfloat16), ((8, 2), torch.float32),
+              ((70,), torch.bfloat16)]
+    model = nn.Module()
+    model.params = nn.ParameterList([nn.Parameter(torch.zeros(shape, dtype=dtype)) for shape, dtype in shapes])
+    for p in model.parameters():
+        p.grad = torch.randn(p.shape, generator=generator).to(p.dtype)
+    want = math.sqrt(sum(float(p.grad.double().square().sum()) for p in model.parameters()))
+    with ForeachNorms() as mode:
+        norm = SingleProcess().clip_grad_norm_(model, float("inf"))
+    assert norm.dtype == torch.float32 and norm.item() == pytest.approx(want, rel=1e-6)
+    assert sorted(map(sorted, mode.calls), key=str) == [[torch.bfloat16], [torch.float32]]
+
+
 @pytest.mark.parametrize("mode", [None, "reduce_overhead", "max_autotune", "max_autotune_no_cudagraphs"])
 def test_compile_mode_reaches_torch_compile(tmp_path, monkeypatch, mode):
     """trainer.compile_mode is handed to torch.compile by torch's own name for it, for the model and
