@@ -23,7 +23,7 @@ class MasterWeightAdamW(torch.optim.Optimizer):
 
     Each bf16 (or fp16) parameter gets an fp32 master copy and fp32 moments in its state; a step
     updates the master from the 16-bit gradient and writes the master, rounded, back into the
-    parameter (moetrain.ops.adamw: on CUDA one pass over all the parameters of a kind, one launch).
+    parameter (moetrain.ops.adamw: one pass per parameter on CUDA).
     fp32 parameters (the routers) are their own masters. The masters are in the state dict, so a
     resumed run continues from the same fp32 weights bit for bit, and they stay fp32 when a
     checkpoint is loaded. moment_dtype=torch.bfloat16 stores both moments in bf16 (computed in fp32,
@@ -44,7 +44,6 @@ class MasterWeightAdamW(torch.optim.Optimizer):
         super().__init__(params, {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay})
         self.moment_dtype = moment_dtype
         self._unconfirmed = None  # (found_inf on its way to the host, its copy's event, the params stepped)
-        self._blocks: dict = {}  # adamw_master_tensors_'s program maps, by device and sizes
 
     def _confirm_steps(self) -> None:
         """Take back the step counts of the last step if its found_inf said it was skipped."""
@@ -95,9 +94,6 @@ class MasterWeightAdamW(torch.optim.Optimizer):
         self._confirm_steps()
         grad_scale, found_inf = getattr(self, "grad_scale", None), getattr(self, "found_inf", None)
         stepped = []
-        # Tensors the Triton kernel takes are updated a launch per kind (device, dtypes, whether the
-        # parameter is its own master) instead of a launch per tensor: one host call for ~150 tensors.
-        batches: dict[tuple, tuple[list, list]] = {}
         for group in self.param_groups:
             beta1, beta2 = group["betas"]
             for param in group["params"]:
@@ -106,28 +102,18 @@ class MasterWeightAdamW(torch.optim.Optimizer):
                 state = self._state(param)
                 state["step"] += 1
                 stepped.append(param)
-                master = state.get("master", param)
-                update = (param, param.grad, master, state["exp_avg"], state["exp_avg_sq"])
-                settings = (int(state["step"].item()), group["lr"], beta1, beta2, group["eps"], group["weight_decay"])
-                if adamw.kernel_runs(param, param.grad, master) and adamw.multi_tensor_runs(*update):
-                    kind = (param.device, param.dtype, param.grad.dtype, master is param)  # moments: one dtype
-                    updates, constants = batches.setdefault(kind, ([], []))
-                    updates.append(update)
-                    constants.append(adamw.constants(*settings))
-                else:
-                    adamw.adamw_master_step_(*update, *settings, _on(grad_scale, param), _on(found_inf, param))
-        for (device, *_), (updates, constants) in batches.items():
-            adamw.adamw_master_tensors_(updates, constants, self._blocks, _on(grad_scale, device),
-                                        _on(found_inf, device))
+                adamw.adamw_master_step_(param, param.grad, state.get("master", param), state["exp_avg"],
+                                         state["exp_avg_sq"], int(state["step"].item()), group["lr"], beta1, beta2,
+                                         group["eps"], group["weight_decay"], _on(grad_scale, param),
+                                         _on(found_inf, param))
         if found_inf is not None and stepped:
             (flag,), copied = to_host(found_inf)
             self._unconfirmed = flag, copied, stepped
         return loss
 
 
-def _on(scalar: torch.Tensor | None, where: torch.Tensor | torch.device) -> torch.Tensor | None:
-    device = where.device if isinstance(where, torch.Tensor) else where
-    return None if scalar is None else scalar.to(device, non_blocking=True)
+def _on(scalar: torch.Tensor | None, param: torch.Tensor) -> torch.Tensor | None:
+    return None if scalar is None else scalar.to(param.device, non_blocking=True)
 
 
 def to_host(*tensors: torch.Tensor) -> tuple[list[torch.Tensor], torch.cuda.Event | None]:
