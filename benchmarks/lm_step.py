@@ -12,6 +12,8 @@ balance loss at the preset's weight) and the same optimizer:
 
   --optimizer master   moetrain.train.optim.MasterWeightAdamW: fp32 master weights and moments (the
                        arrangement `trainer.param_dtype=bfloat16` trains with; the default)
+  --optimizer master-bf16
+                       the same with its moments stored in bf16 (optim.moment_dtype=bfloat16)
   --optimizer adamw    torch's fused AdamW on the bf16 parameters (bf16 moments)
 
 A variant is SYSTEM[:COMPILE][:PRECISION][:LOSS]: SYSTEM moetrain or transformers; COMPILE model (the whole
@@ -127,8 +129,9 @@ def measure(variant: str, args, device, batches) -> dict:
     model, forward, autocast = build(system, compile_mode, precision, loss_kind == "fused", args.preset, args.seq_len,
                                      device)
     params = [p for p in model.parameters() if p.requires_grad]
-    if args.optimizer == "master":
-        optimizer = MasterWeightAdamW(params, lr=1e-4, weight_decay=0.1)
+    if args.optimizer in ("master", "master-bf16"):
+        moments = torch.bfloat16 if args.optimizer == "master-bf16" else torch.float32
+        optimizer = MasterWeightAdamW(params, lr=1e-4, weight_decay=0.1, moment_dtype=moments)
     else:
         optimizer = torch.optim.AdamW(params, lr=1e-4, weight_decay=0.1, fused=device.type == "cuda")
     loss_fn = next_token_loss if compile_mode == "none" else torch.compile(next_token_loss)
@@ -176,7 +179,7 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--seq-len", type=int, default=2048)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=4)
-    parser.add_argument("--optimizer", default="master", choices=["master", "adamw"])
+    parser.add_argument("--optimizer", default="master", choices=["master", "master-bf16", "adamw"])
     parser.add_argument("--variants", default="transformers:blocks,transformers:model,moetrain:model,moetrain:model:fp8")
     parser.add_argument("--device", default="cuda", help="cuda; cpu only to try the script on a tiny preset")
     parser.add_argument("--json", help="write every figure to this file")
