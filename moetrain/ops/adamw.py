@@ -109,7 +109,7 @@ def adamw_master_step_(param: torch.Tensor, grad: torch.Tensor, master: torch.Te
                        weight_decay: float, grad_scale: torch.Tensor | None = None,
                        found_inf: torch.Tensor | None = None) -> None:
     """One AdamW step of `param` (any float dtype) through its fp32 `master` (which may be `param`
-    itself), with fp32 moments, all updated in place; `step` counts from 1. grad_scale, found_inf:
+    itself), with fp32 or bf16 moments, all updated in place; `step` counts from 1. grad_scale, found_inf:
     one-element tensors on param's device (module docstring), read by the kernel, not the host."""
     if not kernel_runs(param, grad, master):
         reference(param, grad, master, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps, weight_decay, grad_scale,

@@ -21,14 +21,14 @@ def _decays(parameter: nn.Parameter) -> bool:
 class MasterWeightAdamW(torch.optim.Optimizer):
     """AdamW for 16-bit parameters through fp32 master weights (Megatron's mixed-precision layout).
 
-    Each bf16 (or fp16) parameter gets an fp32 master copy and fp32 moments in its state; a step
-    updates the master from the 16-bit gradient and writes the master, rounded, back into the
-    parameter (moetrain.ops.adamw: one pass per parameter on CUDA).
-    fp32 parameters (the routers) are their own masters. The masters are in the state dict, so a
-    resumed run continues from the same fp32 weights bit for bit, and they stay fp32 when a
-    checkpoint is loaded. moment_dtype=torch.bfloat16 stores both moments in bf16 (computed in fp32,
-    rounded to nearest when stored): 20 bytes moved an element instead of 28; a checkpoint's moments
-    are loaded in this optimizer's moment dtype.
+    Each bf16 (or fp16) parameter gets an fp32 master copy and two moments (fp32 unless
+    moment_dtype says otherwise) in its state; a step updates the master from the 16-bit gradient
+    and writes the master, rounded, back into the parameter (moetrain.ops.adamw: one pass per
+    parameter on CUDA). fp32 parameters (the routers) are their own masters. The masters are in the
+    state dict, so a resumed run continues from the same fp32 weights bit for bit, and they stay fp32
+    when a checkpoint is loaded. moment_dtype=torch.bfloat16 stores both moments in bf16 (computed in
+    fp32, rounded to nearest when stored): 20 bytes moved an element instead of 28; a checkpoint's
+    moments are loaded in this optimizer's moment dtype.
 
     Like torch's fused optimizers it takes the GradScaler protocol's two device scalars, set as
     attributes before step() (step_with_device_flags): `grad_scale` divides every gradient and a
