@@ -53,10 +53,14 @@ try:
     import triton.language as tl
 except ImportError:  # the kernels need Triton; the references and the benchmark's help do not
     triton = None
+try:
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # a Triton without host-side tensor descriptors: grouped_mm's TMA kernel is not offered
+    TensorDescriptor = None
 
 FP8 = torch.float8_e4m3fn
 SCALE_BLOCK = 128  # block=128: the K (grouped_mm) or row (wgrad) extent of one scale
-CONFIG_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages", "GROUP")
+CONFIG_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages", "GROUP", "TMA")
 
 
 if triton is not None:
@@ -120,6 +124,54 @@ if triton is not None:
         if SCALING == 1:
             sa = tl.load(sa_ptr + rows64 * stride_sam, mask=row_ok, other=0.0)
             sb = tl.load(sb_ptr + e64 * stride_sbe + cols * stride_sbn, mask=col_ok, other=0.0)
+            acc = acc * sa[:, None] * sb[None, :]
+        c_ptrs = c_ptr + rows64[:, None] * stride_cm + cols[None, :] * stride_cn
+        tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+
+    @triton.jit
+    def _grouped_mm_tma_kernel(
+        a_desc, b_desc, c_ptr, sa_ptr, sb_ptr, ends_ptr, N, K, M_TILES, E,
+        stride_cm, stride_cn, stride_sam, stride_sbe, stride_sbn,
+        SCALING: tl.constexpr, PRECISION: tl.constexpr, E_P2: tl.constexpr, BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
+    ):
+        """_grouped_mm_kernel (SCALING 0 or 1) with both operands read by the Tensor Memory Accelerator:
+        a_desc over a [R, K], b_desc over b stored [E * N, K] (each expert's N rows of K). A tile may read
+        rows of the next expert (a) or columns past N (b, the next expert's rows); the masked store drops
+        what they give, and reads past either tensor's end come back as zeros."""
+        pid = tl.program_id(0)
+        n_tiles = tl.cdiv(N, BLOCK_N)
+        band_size = GROUP * n_tiles
+        first = pid // band_size * GROUP
+        band_rows = min(M_TILES - first, GROUP)
+        tile_m = first + (pid % band_size) % band_rows
+        tile_n = (pid % band_size) // band_rows
+        experts = tl.arange(0, E_P2)
+        ends = tl.load(ends_ptr + experts, mask=experts < E, other=0)
+        starts = tl.load(ends_ptr + experts - 1, mask=(experts > 0) & (experts < E), other=0)
+        tiles = tl.cdiv(ends - starts, BLOCK_M)
+        tile_ends = tl.cumsum(tiles, 0)
+        e = tl.sum((tile_ends <= tile_m).to(tl.int32))
+        if e >= E:
+            return
+        mine = experts == e
+        start = tl.sum(tl.where(mine, starts, 0))
+        end = tl.sum(tl.where(mine, ends, 0))
+        first_tile = tl.sum(tl.where(mine, tile_ends - tiles, 0))
+        row0 = start + (tile_m - first_tile) * BLOCK_M
+        col0 = tile_n * BLOCK_N
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in tl.range(0, K, BLOCK_K, warp_specialize=WARP_SPECIALIZE):
+            a = a_desc.load([row0, k0])
+            b = b_desc.load([e * N + col0, k0])
+            acc = tl.dot(a, b.T, acc, input_precision=PRECISION)
+        rows = row0 + tl.arange(0, BLOCK_M)
+        cols = col0 + tl.arange(0, BLOCK_N)
+        row_ok, col_ok = rows < end, cols < N
+        rows64 = rows.to(tl.int64)
+        if SCALING == 1:
+            sa = tl.load(sa_ptr + rows64 * stride_sam, mask=row_ok, other=0.0)
+            sb = tl.load(sb_ptr + e.to(tl.int64) * stride_sbe + cols * stride_sbn, mask=col_ok, other=0.0)
             acc = acc * sa[:, None] * sb[None, :]
         c_ptrs = c_ptr + rows64[:, None] * stride_cm + cols[None, :] * stride_cn
         tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
@@ -222,12 +274,12 @@ def default_config(dtype: torch.dtype, n: int, rows_per_expert: float, block: in
     Block-scaled FP8 holds a second [BLOCK_M, BLOCK_N] fp32 tile (each slab's product before it is
     scaled): 128 x 256 would spill registers there (ptxas, sm_90a), so its column tiles stay at 128."""
     if dtype == torch.float32:  # correctness more than speed: CUDA-core FMAs unless TF32 is allowed
-        return dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, num_warps=4, num_stages=3, GROUP=8)
+        return dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, num_warps=4, num_stages=3, GROUP=8, TMA=0)
     block_m = 64 if rows_per_expert < 96 else 128
     block_n = 256 if n >= 1024 and block_m == 128 and not block else 128
     stages = 3 if block_n == 256 else 4  # <= 147 KiB of shared memory for the operand tiles
     return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=128 if dtype == FP8 else 64, num_warps=8, num_stages=stages,
-                GROUP=8)
+                GROUP=8, TMA=0)
 
 
 def _config(config: list[int], dtype: torch.dtype, n: int, rows_per_expert: float, block: int) -> dict:
@@ -314,6 +366,19 @@ def _grouped_mm_impl(a_RK: torch.Tensor, b_EKN: torch.Tensor, ends_E: torch.Tens
         return c_RN
     m_tiles = triton.cdiv(rows, cfg["BLOCK_M"]) + num_experts  # each expert wastes at most one partial tile
     grid = (m_tiles * triton.cdiv(n, cfg["BLOCK_N"]),)
+    if cfg["TMA"] and scaling != 2 and _tma_layout(a_RK, b_EKN):
+        b_rows = b_EKN.transpose(1, 2)  # [E, N, K], K contiguous: one [E * N, K] matrix
+        a_desc = TensorDescriptor(a_RK, list(a_RK.shape), [a_RK.stride(0), 1], [cfg["BLOCK_M"], cfg["BLOCK_K"]])
+        b_desc = TensorDescriptor(b_rows, [num_experts * n, k], [b_rows.stride(1), 1], [cfg["BLOCK_N"], cfg["BLOCK_K"]])
+        with _on_device(a_RK):
+            _grouped_mm_tma_kernel[grid](
+                a_desc, b_desc, c_RN, a_scale if scaling else c_RN, b_scale if scaling else c_RN, ends_E,
+                n, k, m_tiles, num_experts, *c_RN.stride(), sa_strides[0], sb_strides[0], sb_strides[2],
+                SCALING=scaling, PRECISION=_precision(a_RK.dtype), E_P2=triton.next_power_of_2(num_experts),
+                BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], GROUP=cfg["GROUP"],
+                WARP_SPECIALIZE=cfg["TMA"] == 2, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+            )
+        return c_RN
     with _on_device(a_RK):
         _grouped_mm_kernel[grid](
             a_RK, b_EKN, c_RN, a_scale if scaling else c_RN, b_scale if scaling else c_RN, ends_E,
@@ -350,6 +415,18 @@ def _grouped_mm_wgrad_impl(a_RK: torch.Tensor, b_RN: torch.Tensor, ends_E: torch
             BLOCK_K=cfg["BLOCK_K"], GROUP=cfg["GROUP"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         )
     return dw_EKN
+
+
+def _tma_layout(a_RK: torch.Tensor, b_EKN: torch.Tensor) -> bool:
+    """Whether the TMA kernel can read these operands: K contiguous in both, b's experts [N, K] matrices
+    one after another, every row start 16-byte aligned (a layout it cannot read takes the pointer kernel)."""
+    if TensorDescriptor is None:
+        return False
+    size = a_RK.element_size()
+    e, k, n = b_EKN.shape
+    return (a_RK.stride(1) == 1 and b_EKN.stride(1) == 1 and b_EKN.stride(0) == n * b_EKN.stride(2)
+            and all(stride * size % 16 == 0 for stride in (a_RK.stride(0), b_EKN.stride(2)))
+            and a_RK.data_ptr() % 16 == 0 and b_EKN.data_ptr() % 16 == 0)
 
 
 def _on_device(t: torch.Tensor):
