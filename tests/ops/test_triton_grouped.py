@@ -107,6 +107,18 @@ def interpreter_checks() -> None:
             for k, n, layout in sizes:
                 check("mm", dtype, scaling, counts, k, n, layout=layout,
                       config=dict(TINY, BLOCK_K=32) if k == 200 else TINY)
+    # The TMA kernel (config TMA=1) in the layout it reads: K contiguous, 16-byte rows. N not a multiple
+    # of BLOCK_N (a tile reads the next expert's weight rows) and K not one of BLOCK_K (zeros past the
+    # end), experts empty at the start, middle and end; where the layout does not allow TMA (K = 200
+    # E4M3 bytes) the pointer kernel runs.
+    for counts in ([0, 21, 0, 40, 3, 0], [37]):
+        for dtype, scaling in ((torch.float32, "none"), (tg.FP8, "row")):
+            for k, n in ((64, 40), (80, 16), (200, 24)):
+                a, b, *_ = _operands(dtype, scaling, "mm", sum(counts), k, n, len(counts), "reduction", "cpu")
+                assert tg._tma_layout(a, b) == (k * a.element_size() % 16 == 0), (dtype, k)
+                check("mm", dtype, scaling, counts, k, n, layout="reduction", config=dict(TINY, BLOCK_K=32, TMA=1))
+    a = torch.randn(8, 16)
+    assert not tg._tma_layout(a, torch.randn(2, 16, 8)) and not tg._tma_layout(a.t(), torch.randn(2, 8, 16).mT)
     # Weight gradients: experts crossing 128-row scale blocks and BLOCK_K slab edges, starting and
     # ending inside a slab, an empty one, one within one slab, one aligned to both; operands with
     # columns or rows contiguous.
