@@ -28,8 +28,8 @@ from moetrain.timing import median_ms
 LM_SHAPES = {"moe_1b5": (32768, 2048, 2048, 8, 2), "qwen3_30b": (16384, 2048, 768, 128, 8),
              "mixtral": (8192, 4096, 14336, 8, 2), "dsv3": (8192, 7168, 2048, 256, 8)}
 # (BLOCK_M, BLOCK_N, num_warps, num_stages) tried by --sweep; BLOCK_K is the dtype's default.
-SWEEP = ((128, 256, 8, 3), (128, 128, 8, 4), (128, 128, 4, 4), (64, 256, 8, 3), (64, 128, 4, 4), (256, 128, 8, 3),
-         (128, 64, 4, 5))
+SWEEP = ((128, 256, 8, 3), (128, 256, 8, 4), (128, 128, 8, 4), (128, 128, 4, 4), (64, 256, 8, 3), (64, 128, 4, 4),
+         (256, 128, 8, 3), (256, 128, 8, 4), (128, 64, 4, 5))
 
 
 def routed_counts(tokens: int, num_experts: int, top_k: int, seed: int = 0) -> list[int]:
