@@ -295,6 +295,24 @@ def test_lm_shapes_on_the_gpu(shape, dtype, scaling, kind, device):
               out_dtype=torch.bfloat16, tolerance=tolerance)
 
 
+@pytest.mark.parametrize("shape", list(SHAPES))
+@pytest.mark.parametrize("dtype,scaling", [(torch.bfloat16, "none"), (tg.FP8, "row")])
+@pytest.mark.parametrize("device", [pytest.param("cuda", marks=SM90)])
+def test_tma_kernel_at_lm_shapes_on_the_gpu(shape, dtype, scaling, device):
+    """grouped_mm's TMA kernel (config TMA=1) at the scaled-down LM shapes, forward and dgrad, in the
+    layout it reads (K contiguous); then ragged experts with K and N off the tiles."""
+    torch.manual_seed(4)
+    rows, d, h, num_experts = SHAPES[shape]
+    counts = _random_counts(rows, num_experts, seed=5)
+    config = dict(tg.default_config(dtype, 1024, rows / num_experts), TMA=1)
+    for k, n in ((d, 2 * h), (h, d), (2 * h, d), (d, h)):
+        check("mm", dtype, scaling, counts, k, n, device, layout="reduction", out_dtype=torch.bfloat16,
+              config=config, tolerance=GPU_TOLERANCE[dtype])
+    for counts in ([0, 0, 300, 0], [517], [1, 0, 255, 129]):
+        check("mm", dtype, scaling, counts, 208, 136, device, layout="reduction", out_dtype=torch.bfloat16,
+              config=config, tolerance=GPU_TOLERANCE[dtype])
+
+
 @pytest.mark.parametrize("device", [pytest.param("cuda", marks=SM90)])
 def test_edge_layouts_on_the_gpu(device):
     """Empty experts (first, last, all but one), one expert, no experts; K and N off the tiles."""
