@@ -102,8 +102,8 @@ def _relative_error(kind: str, c: torch.Tensor, a, b, ends_E, a_scale=None, b_sc
 
 
 def _configs(dtype: torch.dtype, n: int, rows_per_expert: float, block: int, sweep: bool, tma: int = 0) -> list[dict]:
-    """Our tiles to time: the default, and with sweep the SWEEP variants of it; tma: with the operands
-    read by the TMA kernel (1) or the pointer kernel (0)."""
+    """Our tiles to time: the default, and with sweep the SWEEP variants of it; tma: the operands read
+    by the pointer kernel (0), the TMA kernel (1) or the persistent TMA kernel (2)."""
     default = dict(default_config(dtype, n, rows_per_expert, block), TMA=tma)
     tried = [dict(default, BLOCK_M=m, BLOCK_N=nn, num_warps=w, num_stages=s) for m, nn, w, s in SWEEP] if sweep else []
     return [default] + [config for config in tried if config != default]
@@ -113,7 +113,7 @@ def _config_text(config: dict | None) -> str:
     if config is None:
         return "torch"
     return "{BLOCK_M}x{BLOCK_N}x{BLOCK_K} w{num_warps} s{num_stages} g{GROUP}".format(**config) + (
-        " tma" if config.get("TMA") else "")
+        {0: "", 1: " tma", 2: " tma persistent"}[config.get("TMA", 0)])
 
 
 def _measure(name: str, kind: str, call, operands: tuple, flops: float, configs: list, device) -> dict:
@@ -179,6 +179,7 @@ def _bench_gemm(shape: str, gemm: str, counts: list[int], k: int, n: int, seed: 
     ops = (xq, wq.transpose(1, 2), ends_E, sx, sw, 0)
     record("fwd", "fp8 row ours", lambda cfg: grouped_mm(*ops[:5], config=cfg), ops, FP8)
     record("fwd", "fp8 row tma", lambda cfg: grouped_mm(*ops[:5], config=cfg), ops, FP8, tma=1)
+    record("fwd", "fp8 row tma persistent", lambda cfg: grouped_mm(*ops[:5], config=cfg), ops, FP8, tma=2)
     record("fwd", "fp8 row torch", lambda cfg: torch._scaled_grouped_mm(
         xq, ops[1], sx, sw, offs=ends_E, out_dtype=bf16), ops)
     dyq, sdy = fp8_quantize.quantize_rows(dy)
@@ -186,6 +187,7 @@ def _bench_gemm(shape: str, gemm: str, counts: list[int], k: int, n: int, seed: 
     ops = (dyq, wq.transpose(1, 2), ends_E, sdy, sw, 0)
     record("dgrad", "fp8 row ours", lambda cfg: grouped_mm(*ops[:5], config=cfg), ops, FP8)
     record("dgrad", "fp8 row tma", lambda cfg: grouped_mm(*ops[:5], config=cfg), ops, FP8, tma=1)
+    record("dgrad", "fp8 row tma persistent", lambda cfg: grouped_mm(*ops[:5], config=cfg), ops, FP8, tma=2)
     record("dgrad", "fp8 row torch", lambda cfg: torch._scaled_grouped_mm(
         dyq, ops[1], sdy, sw, offs=ends_E, out_dtype=bf16), ops)
     del wq, ops

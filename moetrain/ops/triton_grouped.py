@@ -133,48 +133,62 @@ if triton is not None:
         a_desc, b_desc, c_ptr, sa_ptr, sb_ptr, ends_ptr, N, K, M_TILES, E,
         stride_cm, stride_cn, stride_sam, stride_sbe, stride_sbn,
         SCALING: tl.constexpr, PRECISION: tl.constexpr, E_P2: tl.constexpr, BLOCK_M: tl.constexpr,
-        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
+        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr, PERSISTENT: tl.constexpr,
     ):
         """_grouped_mm_kernel (SCALING 0 or 1) with both operands read by the Tensor Memory Accelerator:
         a_desc over a [R, K], b_desc over b stored [E * N, K] (each expert's N rows of K). A tile may read
         rows of the next expert (a) or columns past N (b, the next expert's rows); the masked store drops
-        what they give, and reads past either tensor's end come back as zeros."""
-        pid = tl.program_id(0)
-        n_tiles = tl.cdiv(N, BLOCK_N)
-        band_size = GROUP * n_tiles
-        first = pid // band_size * GROUP
-        band_rows = min(M_TILES - first, GROUP)
-        tile_m = first + (pid % band_size) % band_rows
-        tile_n = (pid % band_size) // band_rows
+        what they give, and reads past either tensor's end come back as zeros. PERSISTENT: one program
+        per SM walks the row tiles there are, in the same banded order, instead of a program a tile."""
         experts = tl.arange(0, E_P2)
         ends = tl.load(ends_ptr + experts, mask=experts < E, other=0)
         starts = tl.load(ends_ptr + experts - 1, mask=(experts > 0) & (experts < E), other=0)
         tiles = tl.cdiv(ends - starts, BLOCK_M)
         tile_ends = tl.cumsum(tiles, 0)
+        if PERSISTENT:
+            m_tiles = tl.sum(tiles)
+            for pid in range(tl.program_id(0), m_tiles * tl.cdiv(N, BLOCK_N), tl.num_programs(0)):
+                _tma_tile(pid, m_tiles, experts, starts, ends, tiles, tile_ends, a_desc, b_desc, c_ptr, sa_ptr, sb_ptr,
+                          N, K, E, stride_cm, stride_cn, stride_sam, stride_sbe, stride_sbn,
+                          SCALING, PRECISION, BLOCK_M, BLOCK_N, BLOCK_K, GROUP)
+        else:
+            _tma_tile(tl.program_id(0), M_TILES, experts, starts, ends, tiles, tile_ends, a_desc, b_desc, c_ptr, sa_ptr,
+                      sb_ptr, N, K, E, stride_cm, stride_cn, stride_sam, stride_sbe, stride_sbn,
+                      SCALING, PRECISION, BLOCK_M, BLOCK_N, BLOCK_K, GROUP)
+
+    @triton.jit
+    def _tma_tile(pid, m_tiles, experts, starts, ends, tiles, tile_ends, a_desc, b_desc, c_ptr, sa_ptr, sb_ptr,
+                  N, K, E, stride_cm, stride_cn, stride_sam, stride_sbe, stride_sbn,
+                  SCALING: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                  BLOCK_K: tl.constexpr, GROUP: tl.constexpr):
+        """Output tile pid of _grouped_mm_tma_kernel (the tiles banded as _grouped_mm_kernel's)."""
+        n_tiles = tl.cdiv(N, BLOCK_N)
+        band_size = GROUP * n_tiles
+        first = pid // band_size * GROUP
+        band_rows = min(m_tiles - first, GROUP)
+        tile_m = first + (pid % band_size) % band_rows
+        tile_n = (pid % band_size) // band_rows
         e = tl.sum((tile_ends <= tile_m).to(tl.int32))
-        if e >= E:
-            return
-        mine = experts == e
-        start = tl.sum(tl.where(mine, starts, 0))
-        end = tl.sum(tl.where(mine, ends, 0))
-        first_tile = tl.sum(tl.where(mine, tile_ends - tiles, 0))
-        row0 = start + (tile_m - first_tile) * BLOCK_M
-        col0 = tile_n * BLOCK_N
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k0 in tl.range(0, K, BLOCK_K, warp_specialize=WARP_SPECIALIZE):
-            a = a_desc.load([row0, k0])
-            b = b_desc.load([e * N + col0, k0])
-            acc = tl.dot(a, b.T, acc, input_precision=PRECISION)
-        rows = row0 + tl.arange(0, BLOCK_M)
-        cols = col0 + tl.arange(0, BLOCK_N)
-        row_ok, col_ok = rows < end, cols < N
-        rows64 = rows.to(tl.int64)
-        if SCALING == 1:
-            sa = tl.load(sa_ptr + rows64 * stride_sam, mask=row_ok, other=0.0)
-            sb = tl.load(sb_ptr + e.to(tl.int64) * stride_sbe + cols * stride_sbn, mask=col_ok, other=0.0)
-            acc = acc * sa[:, None] * sb[None, :]
-        c_ptrs = c_ptr + rows64[:, None] * stride_cm + cols[None, :] * stride_cn
-        tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+        if e < E:  # else past the last row tile: the grid covers the worst case
+            mine = experts == e
+            end = tl.sum(tl.where(mine, ends, 0))
+            row0 = tl.sum(tl.where(mine, starts, 0)) + (tile_m - tl.sum(tl.where(mine, tile_ends - tiles, 0))) * BLOCK_M
+            col0 = tile_n * BLOCK_N
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                a = a_desc.load([row0, k0])
+                b = b_desc.load([e * N + col0, k0])
+                acc = tl.dot(a, b.T, acc, input_precision=PRECISION)
+            rows = row0 + tl.arange(0, BLOCK_M)
+            cols = col0 + tl.arange(0, BLOCK_N)
+            row_ok, col_ok = rows < end, cols < N
+            rows64 = rows.to(tl.int64)
+            if SCALING == 1:
+                sa = tl.load(sa_ptr + rows64 * stride_sam, mask=row_ok, other=0.0)
+                sb = tl.load(sb_ptr + e.to(tl.int64) * stride_sbe + cols * stride_sbn, mask=col_ok, other=0.0)
+                acc = acc * sa[:, None] * sb[None, :]
+            c_ptrs = c_ptr + rows64[:, None] * stride_cm + cols[None, :] * stride_cn
+            tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
     @triton.jit
     def _wgrad_slab(acc, r0, row_ok, R, a_ptr, b_ptr, a_offsets, b_offsets, sa_ptrs, sb_ptrs, kk_ok, col_ok,
@@ -370,13 +384,15 @@ def _grouped_mm_impl(a_RK: torch.Tensor, b_EKN: torch.Tensor, ends_E: torch.Tens
         b_rows = b_EKN.transpose(1, 2)  # [E, N, K], K contiguous: one [E * N, K] matrix
         a_desc = TensorDescriptor(a_RK, list(a_RK.shape), [a_RK.stride(0), 1], [cfg["BLOCK_M"], cfg["BLOCK_K"]])
         b_desc = TensorDescriptor(b_rows, [num_experts * n, k], [b_rows.stride(1), 1], [cfg["BLOCK_N"], cfg["BLOCK_K"]])
+        if cfg["TMA"] == 2:
+            grid = (min(grid[0], _multiprocessors(a_RK.device)),)
         with _on_device(a_RK):
             _grouped_mm_tma_kernel[grid](
                 a_desc, b_desc, c_RN, a_scale if scaling else c_RN, b_scale if scaling else c_RN, ends_E,
                 n, k, m_tiles, num_experts, *c_RN.stride(), sa_strides[0], sb_strides[0], sb_strides[2],
                 SCALING=scaling, PRECISION=_precision(a_RK.dtype), E_P2=triton.next_power_of_2(num_experts),
                 BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], GROUP=cfg["GROUP"],
-                WARP_SPECIALIZE=cfg["TMA"] == 2, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+                PERSISTENT=cfg["TMA"] == 2, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
             )
         return c_RN
     with _on_device(a_RK):
@@ -427,6 +443,11 @@ def _tma_layout(a_RK: torch.Tensor, b_EKN: torch.Tensor) -> bool:
     return (a_RK.stride(1) == 1 and b_EKN.stride(1) == 1 and b_EKN.stride(0) == n * b_EKN.stride(2)
             and all(stride * size % 16 == 0 for stride in (a_RK.stride(0), b_EKN.stride(2)))
             and a_RK.data_ptr() % 16 == 0 and b_EKN.data_ptr() % 16 == 0)
+
+
+def _multiprocessors(device: torch.device) -> int:
+    """The programs of a persistent kernel: one per SM (4 in the interpreter)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
 
 
 def _on_device(t: torch.Tensor):

@@ -116,7 +116,8 @@ def interpreter_checks() -> None:
             for k, n in ((64, 40), (80, 16), (200, 24)):
                 a, b, *_ = _operands(dtype, scaling, "mm", sum(counts), k, n, len(counts), "reduction", "cpu")
                 assert tg._tma_layout(a, b) == (k * a.element_size() % 16 == 0), (dtype, k)
-                check("mm", dtype, scaling, counts, k, n, layout="reduction", config=dict(TINY, BLOCK_K=32, TMA=1))
+                for tma in (1, 2):
+                    check("mm", dtype, scaling, counts, k, n, layout="reduction", config=dict(TINY, BLOCK_K=32, TMA=tma))
     a = torch.randn(8, 16)
     assert not tg._tma_layout(a, torch.randn(2, 16, 8)) and not tg._tma_layout(a.t(), torch.randn(2, 8, 16).mT)
     # Weight gradients: experts crossing 128-row scale blocks and BLOCK_K slab edges, starting and
@@ -299,18 +300,19 @@ def test_lm_shapes_on_the_gpu(shape, dtype, scaling, kind, device):
 @pytest.mark.parametrize("dtype,scaling", [(torch.bfloat16, "none"), (tg.FP8, "row")])
 @pytest.mark.parametrize("device", [pytest.param("cuda", marks=SM90)])
 def test_tma_kernel_at_lm_shapes_on_the_gpu(shape, dtype, scaling, device):
-    """grouped_mm's TMA kernel (config TMA=1) at the scaled-down LM shapes, forward and dgrad, in the
+    """grouped_mm's TMA kernel (config TMA=1, and TMA=2 persistent) at the scaled-down LM shapes, forward and dgrad, in the
     layout it reads (K contiguous); then ragged experts with K and N off the tiles."""
     torch.manual_seed(4)
     rows, d, h, num_experts = SHAPES[shape]
     counts = _random_counts(rows, num_experts, seed=5)
-    config = dict(tg.default_config(dtype, 1024, rows / num_experts), TMA=1)
-    for k, n in ((d, 2 * h), (h, d), (2 * h, d), (d, h)):
-        check("mm", dtype, scaling, counts, k, n, device, layout="reduction", out_dtype=torch.bfloat16,
-              config=config, tolerance=GPU_TOLERANCE[dtype])
-    for counts in ([0, 0, 300, 0], [517], [1, 0, 255, 129]):
-        check("mm", dtype, scaling, counts, 208, 136, device, layout="reduction", out_dtype=torch.bfloat16,
-              config=config, tolerance=GPU_TOLERANCE[dtype])
+    for tma in (1, 2):
+        config = dict(tg.default_config(dtype, 1024, rows / num_experts), TMA=tma)
+        for k, n in ((d, 2 * h), (h, d), (2 * h, d), (d, h)):
+            check("mm", dtype, scaling, counts, k, n, device, layout="reduction", out_dtype=torch.bfloat16,
+                  config=config, tolerance=GPU_TOLERANCE[dtype])
+        for ragged in ([0, 0, 300, 0], [517], [1, 0, 255, 129]):
+            check("mm", dtype, scaling, ragged, 208, 136, device, layout="reduction", out_dtype=torch.bfloat16,
+                  config=config, tolerance=GPU_TOLERANCE[dtype])
 
 
 @pytest.mark.parametrize("device", [pytest.param("cuda", marks=SM90)])
