@@ -293,7 +293,7 @@ def default_config(dtype: torch.dtype, n: int, rows_per_expert: float, block: in
     block_n = 256 if n >= 1024 and block_m == 128 and not block else 128
     stages = 3 if block_n == 256 else 4  # <= 147 KiB of shared memory for the operand tiles
     return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=128 if dtype == FP8 else 64, num_warps=8, num_stages=stages,
-                GROUP=8, TMA=0)
+                GROUP=8, TMA=int(dtype == FP8 and not block and TensorDescriptor is not None))
 
 
 def _config(config: list[int], dtype: torch.dtype, n: int, rows_per_expert: float, block: int) -> dict:
