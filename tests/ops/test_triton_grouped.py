@@ -188,6 +188,43 @@ def test_kernels_compile_for_hopper(tmp_path):
             assert re.search(r"\b0 bytes spill stores", report), (what, report)
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CUDA tests compile the kernels there")
+def test_tma_kernel_compiles_for_hopper(tmp_path):
+    """grouped_mm's TMA kernel, compiled for sm_90 on this CPU at FP8's default tiles, one program a
+    tile and persistent: tensor-memory copies (cp.async.bulk.tensor) feeding E4M3 warp-group MMAs,
+    and (ptxas -v) no register spills."""
+    triton = pytest.importorskip("triton")
+    pytest.importorskip("triton.backends.nvidia")
+    if tg.TensorDescriptor is None:
+        pytest.skip("this Triton has no host tensor descriptors")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+    fn = tg._grouped_mm_tma_kernel
+    config = tg.default_config(tg.FP8, 4096, 1024)
+    assert config["TMA"] == 1
+    block_m, block_n, block_k = config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"]
+    types = {"a_desc": f"tensordesc<fp8e4nv[{block_m}, {block_k}]>", "b_desc": f"tensordesc<fp8e4nv[{block_n}, {block_k}]>",
+             "c_ptr": "*bf16", "sa_ptr": "*fp32", "sb_ptr": "*fp32", "ends_ptr": "*i32",
+             **dict.fromkeys("N K M_TILES E stride_cm stride_sam stride_sbe".split(), "i32")}
+    for persistent in (False, True):
+        constants = dict(stride_cn=1, stride_sbn=1, SCALING=1, PRECISION="tf32", E_P2=8, BLOCK_M=block_m,
+                         BLOCK_N=block_n, BLOCK_K=block_k, GROUP=config["GROUP"], PERSISTENT=persistent)
+        source = ASTSource(fn=fn, signature={**types, **dict.fromkeys(constants, "constexpr")}, constexprs=constants,
+                           attrs={(fn.arg_names.index(name),): [["tt.divisibility", 16]]
+                                  for name in types if not name.endswith("desc")})
+        ptx = triton.compile(source, target=GPUTarget("cuda", 90, 32),
+                             options=dict(num_warps=config["num_warps"], num_stages=config["num_stages"])).asm["ptx"]
+        assert "cp.async.bulk.tensor" in ptx and "wgmma.mma_async" in ptx and "e4m3" in ptx, persistent
+        if ptxas.exists():
+            path = tmp_path / "kernel.ptx"
+            path.write_text(ptx)
+            report = subprocess.run([str(ptxas), "-arch=sm_90a", "-v", str(path), "-o", os.devnull],
+                                    capture_output=True, text=True).stderr
+            assert re.search(r"\b0 bytes spill stores", report), (persistent, report)
+
+
 def test_bad_arguments_are_refused():
     pytest.importorskip("triton")
     ends = _ends([2, 2], "cpu")
