@@ -32,6 +32,14 @@ one program per (expert, K tile, N tile) looping over that expert's rows in slab
 aligned to BLOCK_K (a masked first and last slab, unmasked ones between, so the loads vectorize).
 Programs are ordered in bands of GROUP row tiles so that those running together share tiles in L2.
 
+Operand loads: pointer loads (cp.async, pipelined by Triton), or for grouped_mm with config TMA=1
+(FP8 row-wise's default where Triton has host tensor descriptors) the Tensor Memory Accelerator:
+one descriptor over a [R, K] and one over b stored [E * N, K], so it serves only K-contiguous
+operands with 16-byte aligned rows (the FP8 layout; _tma_layout), others take the pointer kernel.
+A TMA tile cannot stop at an expert's last row: it reads on into the next expert's rows (a) or
+weight rows (b), whose products the masked store drops. TMA=2 is the same kernel persistent (one
+program per SM); measured no faster, it is not a default.
+
 CUDA tensors go through the custom ops moetrain::grouped_mm and moetrain::grouped_mm_wgrad (one
 graph under torch.compile(fullgraph=True)); CPU tensors launch the kernels directly, which runs
 only under Triton's interpreter (the tests). grouped_mm_reference and grouped_mm_wgrad_reference
