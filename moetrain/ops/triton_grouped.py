@@ -74,6 +74,24 @@ CONFIG_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages", "GROU
 if triton is not None:
 
     @triton.jit
+    def _band_tile(pid, m_tiles, N, BLOCK_N: tl.constexpr, GROUP: tl.constexpr):
+        """(row tile, column tile) of program pid: bands of GROUP row tiles, column by column in a band."""
+        band_size = GROUP * tl.cdiv(N, BLOCK_N)
+        first = pid // band_size * GROUP
+        band_rows = min(m_tiles - first, GROUP)
+        return first + (pid % band_size) % band_rows, (pid % band_size) // band_rows
+
+    @triton.jit
+    def _expert_tiles(ends_ptr, E, E_P2: tl.constexpr, BLOCK_M: tl.constexpr):
+        """Per expert (E_P2 lanes): its index, first row, end row, row tiles (0 past the last expert)
+        and cumulative row tiles."""
+        experts = tl.arange(0, E_P2)
+        ends = tl.load(ends_ptr + experts, mask=experts < E, other=0)
+        starts = tl.load(ends_ptr + experts - 1, mask=(experts > 0) & (experts < E), other=0)
+        tiles = tl.cdiv(ends - starts, BLOCK_M)
+        return experts, starts, ends, tiles, tl.cumsum(tiles, 0)
+
+    @triton.jit
     def _grouped_mm_kernel(
         a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, ends_ptr, N, K, M_TILES, E,
         stride_am, stride_ak, stride_be, stride_bk, stride_bn, stride_cm, stride_cn,
@@ -83,19 +101,9 @@ if triton is not None:
     ):
         """c[r] = a[r] @ b[e(r)] for one BLOCK_M x BLOCK_N tile. SCALING: 0 none, 1 per row of a and
         column of b (epilogue), 2 per 128-wide K slab (1x128 of a, 128x128 of b, in the K loop)."""
-        pid = tl.program_id(0)
-        n_tiles = tl.cdiv(N, BLOCK_N)
-        band_size = GROUP * n_tiles
-        first = pid // band_size * GROUP
-        band_rows = min(M_TILES - first, GROUP)
-        tile_m = first + (pid % band_size) % band_rows
-        tile_n = (pid % band_size) // band_rows
+        tile_m, tile_n = _band_tile(tl.program_id(0), M_TILES, N, BLOCK_N, GROUP)
         # Expert of row tile tile_m: the number of experts whose cumulative tile count is <= tile_m.
-        experts = tl.arange(0, E_P2)
-        ends = tl.load(ends_ptr + experts, mask=experts < E, other=0)
-        starts = tl.load(ends_ptr + experts - 1, mask=(experts > 0) & (experts < E), other=0)
-        tiles = tl.cdiv(ends - starts, BLOCK_M)  # 0 past the last expert
-        tile_ends = tl.cumsum(tiles, 0)
+        experts, starts, ends, tiles, tile_ends = _expert_tiles(ends_ptr, E, E_P2, BLOCK_M)
         e = tl.sum((tile_ends <= tile_m).to(tl.int32))
         if e >= E:
             return  # past the last row tile: the grid covers the worst case
@@ -148,11 +156,7 @@ if triton is not None:
         rows of the next expert (a) or columns past N (b, the next expert's rows); the masked store drops
         what they give, and reads past either tensor's end come back as zeros. PERSISTENT: one program
         per SM walks the row tiles there are, in the same banded order, instead of a program a tile."""
-        experts = tl.arange(0, E_P2)
-        ends = tl.load(ends_ptr + experts, mask=experts < E, other=0)
-        starts = tl.load(ends_ptr + experts - 1, mask=(experts > 0) & (experts < E), other=0)
-        tiles = tl.cdiv(ends - starts, BLOCK_M)
-        tile_ends = tl.cumsum(tiles, 0)
+        experts, starts, ends, tiles, tile_ends = _expert_tiles(ends_ptr, E, E_P2, BLOCK_M)
         if PERSISTENT:
             m_tiles = tl.sum(tiles)
             for pid in range(tl.program_id(0), m_tiles * tl.cdiv(N, BLOCK_N), tl.num_programs(0)):
@@ -170,12 +174,7 @@ if triton is not None:
                   SCALING: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                   BLOCK_K: tl.constexpr, GROUP: tl.constexpr):
         """Output tile pid of _grouped_mm_tma_kernel (the tiles banded as _grouped_mm_kernel's)."""
-        n_tiles = tl.cdiv(N, BLOCK_N)
-        band_size = GROUP * n_tiles
-        first = pid // band_size * GROUP
-        band_rows = min(m_tiles - first, GROUP)
-        tile_m = first + (pid % band_size) % band_rows
-        tile_n = (pid % band_size) // band_rows
+        tile_m, tile_n = _band_tile(pid, m_tiles, N, BLOCK_N, GROUP)
         e = tl.sum((tile_ends <= tile_m).to(tl.int32))
         if e < E:  # else past the last row tile: the grid covers the worst case
             mine = experts == e
