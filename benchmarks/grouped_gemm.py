@@ -28,8 +28,8 @@ from moetrain.timing import median_ms
 LM_SHAPES = {"moe_1b5": (32768, 2048, 2048, 8, 2), "qwen3_30b": (16384, 2048, 768, 128, 8),
              "mixtral": (8192, 4096, 14336, 8, 2), "dsv3": (8192, 7168, 2048, 256, 8)}
 # (BLOCK_M, BLOCK_N, num_warps, num_stages) tried by --sweep; BLOCK_K is the dtype's default.
-SWEEP = ((128, 256, 8, 3), (128, 128, 8, 4), (128, 128, 4, 4), (64, 256, 8, 3), (64, 128, 4, 4), (256, 128, 8, 3),
-         (128, 64, 4, 5))
+SWEEP = ((128, 256, 8, 3), (128, 256, 8, 4), (128, 128, 8, 4), (128, 128, 4, 4), (64, 256, 8, 3), (64, 128, 4, 4),
+         (256, 128, 8, 3), (256, 128, 8, 4), (128, 64, 4, 5))
 
 
 def routed_counts(tokens: int, num_experts: int, top_k: int, seed: int = 0) -> list[int]:
@@ -101,9 +101,10 @@ def _relative_error(kind: str, c: torch.Tensor, a, b, ends_E, a_scale=None, b_sc
     return error / peak if peak else error
 
 
-def _configs(dtype: torch.dtype, n: int, rows_per_expert: float, block: int, sweep: bool) -> list[dict]:
-    """Our tiles to time: the default, and with sweep the SWEEP variants of it."""
-    default = default_config(dtype, n, rows_per_expert, block)
+def _configs(dtype: torch.dtype, n: int, rows_per_expert: float, block: int, sweep: bool, tma: int = 0) -> list[dict]:
+    """Our tiles to time: the default, and with sweep the SWEEP variants of it; tma: the operands read
+    by the pointer kernel (0), the TMA kernel (1) or the persistent TMA kernel (2)."""
+    default = dict(default_config(dtype, n, rows_per_expert, block), TMA=tma)
     tried = [dict(default, BLOCK_M=m, BLOCK_N=nn, num_warps=w, num_stages=s) for m, nn, w, s in SWEEP] if sweep else []
     return [default] + [config for config in tried if config != default]
 
@@ -111,7 +112,8 @@ def _configs(dtype: torch.dtype, n: int, rows_per_expert: float, block: int, swe
 def _config_text(config: dict | None) -> str:
     if config is None:
         return "torch"
-    return "{BLOCK_M}x{BLOCK_N}x{BLOCK_K} w{num_warps} s{num_stages} g{GROUP}".format(**config)
+    return "{BLOCK_M}x{BLOCK_N}x{BLOCK_K} w{num_warps} s{num_stages} g{GROUP}".format(**config) + (
+        {0: "", 1: " tma", 2: " tma persistent"}[config.get("TMA", 0)])
 
 
 def _measure(name: str, kind: str, call, operands: tuple, flops: float, configs: list, device) -> dict:
@@ -134,11 +136,12 @@ def _measure(name: str, kind: str, call, operands: tuple, flops: float, configs:
 
 
 def _bench_gemm(shape: str, gemm: str, counts: list[int], k: int, n: int, seed: int, sweep: bool,
-                device="cuda") -> list[dict]:
+                device="cuda", only: tuple[str, ...] = ()) -> list[dict]:
     """Forward (x @ w), dgrad (dy @ w^T) and wgrad (x^T dy per expert) of one expert GEMM with
     weights w [E, k, n], in bf16 (ours, torch._grouped_mm), FP8 row-wise (ours and
     torch._scaled_grouped_mm, on the operands moetrain.precision.fp8_quantize gives it) and FP8 128-blocks
-    (ours). FP8 operands are stored with the reduction dimension contiguous."""
+    (ours). FP8 operands are stored with the reduction dimension contiguous. only: the variants whose
+    names hold one of these words (all when empty)."""
     rows, num_experts, bf16 = sum(counts), len(counts), torch.bfloat16
     counts_E = torch.tensor(counts, device=device)
     ends_E = counts_E.cumsum(0).to(torch.int32)
@@ -149,10 +152,12 @@ def _bench_gemm(shape: str, gemm: str, counts: list[int], k: int, n: int, seed: 
     flops = 2.0 * rows * k * n
     results = []
 
-    def record(pass_name: str, variant: str, call, operands: tuple, dtype=None) -> None:
+    def record(pass_name: str, variant: str, call, operands: tuple, dtype=None, tma: int = 0) -> None:
         """dtype: ours (its configs, out features n for fwd/wgrad, k for dgrad); None: torch's."""
+        if only and not any(word in variant for word in only):
+            return
         out_features, block = k if pass_name == "dgrad" else n, operands[5] if len(operands) > 5 else 0
-        configs = [None] if dtype is None else _configs(dtype, out_features, rows / num_experts, block, sweep)
+        configs = [None] if dtype is None else _configs(dtype, out_features, rows / num_experts, block, sweep, tma)
         kind = "wgrad" if pass_name == "wgrad" else "mm"
         result = dict(shape=shape, gemm=gemm, rows=rows, k=k, n=n, **{"pass": pass_name})
         result.update(_measure(variant, kind, call, operands, flops, configs, device))
@@ -173,12 +178,16 @@ def _bench_gemm(shape: str, gemm: str, counts: list[int], k: int, n: int, seed: 
     wq, sw = fp8_quantize.quantize_weight(w, over=1)  # [E, n, k], scales [E, n]
     ops = (xq, wq.transpose(1, 2), ends_E, sx, sw, 0)
     record("fwd", "fp8 row ours", lambda cfg: grouped_mm(*ops[:5], config=cfg), ops, FP8)
+    record("fwd", "fp8 row tma", lambda cfg: grouped_mm(*ops[:5], config=cfg), ops, FP8, tma=1)
+    record("fwd", "fp8 row tma persistent", lambda cfg: grouped_mm(*ops[:5], config=cfg), ops, FP8, tma=2)
     record("fwd", "fp8 row torch", lambda cfg: torch._scaled_grouped_mm(
         xq, ops[1], sx, sw, offs=ends_E, out_dtype=bf16), ops)
     dyq, sdy = fp8_quantize.quantize_rows(dy)
     wq, sw = fp8_quantize.quantize_weight(w, over=2)  # [E, k, n], scales [E, k]
     ops = (dyq, wq.transpose(1, 2), ends_E, sdy, sw, 0)
     record("dgrad", "fp8 row ours", lambda cfg: grouped_mm(*ops[:5], config=cfg), ops, FP8)
+    record("dgrad", "fp8 row tma", lambda cfg: grouped_mm(*ops[:5], config=cfg), ops, FP8, tma=1)
+    record("dgrad", "fp8 row tma persistent", lambda cfg: grouped_mm(*ops[:5], config=cfg), ops, FP8, tma=2)
     record("dgrad", "fp8 row torch", lambda cfg: torch._scaled_grouped_mm(
         dyq, ops[1], sdy, sw, offs=ends_E, out_dtype=bf16), ops)
     del wq, ops
@@ -233,6 +242,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sweep", action="store_true", help="also try the SWEEP tiles for each of our GEMMs")
     parser.add_argument("--json", metavar="FILE", help="write the results there")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--only", nargs="+", default=[], metavar="WORD",
+                        help="time only the variants whose names hold one of these words (e.g. 'fp8 row')")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available() or triton is None:
         print("benchmarks/grouped_gemm.py: the benchmark needs a CUDA GPU and Triton "
@@ -247,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
         tokens, d, h, num_experts, top_k = LM_SHAPES[shape]
         counts = routed_counts(tokens, num_experts, top_k, args.seed)
         for gemm, k, n in (("gate_up", d, 2 * h), ("down", h, d)):
-            results += _bench_gemm(shape, gemm, counts, k, n, args.seed, args.sweep)
+            results += _bench_gemm(shape, gemm, counts, k, n, args.seed, args.sweep, only=tuple(args.only))
             torch.cuda.empty_cache()
     if args.json:
         with open(args.json, "w") as f:

@@ -32,6 +32,14 @@ one program per (expert, K tile, N tile) looping over that expert's rows in slab
 aligned to BLOCK_K (a masked first and last slab, unmasked ones between, so the loads vectorize).
 Programs are ordered in bands of GROUP row tiles so that those running together share tiles in L2.
 
+Operand loads: pointer loads (cp.async, pipelined by Triton), or for grouped_mm with config TMA=1
+(FP8 row-wise's default where Triton has host tensor descriptors) the Tensor Memory Accelerator:
+one descriptor over a [R, K] and one over b stored [E * N, K], so it serves only K-contiguous
+operands with 16-byte aligned rows (the FP8 layout; _tma_layout), others take the pointer kernel.
+A TMA tile cannot stop at an expert's last row: it reads on into the next expert's rows (a) or
+weight rows (b), whose products the masked store drops. TMA=2 is the same kernel persistent (one
+program per SM); measured no faster, it is not a default.
+
 CUDA tensors go through the custom ops moetrain::grouped_mm and moetrain::grouped_mm_wgrad (one
 graph under torch.compile(fullgraph=True)); CPU tensors launch the kernels directly, which runs
 only under Triton's interpreter (the tests). grouped_mm_reference and grouped_mm_wgrad_reference
@@ -53,13 +61,35 @@ try:
     import triton.language as tl
 except ImportError:  # the kernels need Triton; the references and the benchmark's help do not
     triton = None
+try:
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # a Triton without host-side tensor descriptors: grouped_mm's TMA kernel is not offered
+    TensorDescriptor = None
 
 FP8 = torch.float8_e4m3fn
 SCALE_BLOCK = 128  # block=128: the K (grouped_mm) or row (wgrad) extent of one scale
-CONFIG_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages", "GROUP")
+CONFIG_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages", "GROUP", "TMA")
 
 
 if triton is not None:
+
+    @triton.jit
+    def _band_tile(pid, m_tiles, N, BLOCK_N: tl.constexpr, GROUP: tl.constexpr):
+        """(row tile, column tile) of program pid: bands of GROUP row tiles, column by column in a band."""
+        band_size = GROUP * tl.cdiv(N, BLOCK_N)
+        first = pid // band_size * GROUP
+        band_rows = min(m_tiles - first, GROUP)
+        return first + (pid % band_size) % band_rows, (pid % band_size) // band_rows
+
+    @triton.jit
+    def _expert_tiles(ends_ptr, E, E_P2: tl.constexpr, BLOCK_M: tl.constexpr):
+        """Per expert (E_P2 lanes): its index, first row, end row, row tiles (0 past the last expert)
+        and cumulative row tiles."""
+        experts = tl.arange(0, E_P2)
+        ends = tl.load(ends_ptr + experts, mask=experts < E, other=0)
+        starts = tl.load(ends_ptr + experts - 1, mask=(experts > 0) & (experts < E), other=0)
+        tiles = tl.cdiv(ends - starts, BLOCK_M)
+        return experts, starts, ends, tiles, tl.cumsum(tiles, 0)
 
     @triton.jit
     def _grouped_mm_kernel(
@@ -71,19 +101,9 @@ if triton is not None:
     ):
         """c[r] = a[r] @ b[e(r)] for one BLOCK_M x BLOCK_N tile. SCALING: 0 none, 1 per row of a and
         column of b (epilogue), 2 per 128-wide K slab (1x128 of a, 128x128 of b, in the K loop)."""
-        pid = tl.program_id(0)
-        n_tiles = tl.cdiv(N, BLOCK_N)
-        band_size = GROUP * n_tiles
-        first = pid // band_size * GROUP
-        band_rows = min(M_TILES - first, GROUP)
-        tile_m = first + (pid % band_size) % band_rows
-        tile_n = (pid % band_size) // band_rows
+        tile_m, tile_n = _band_tile(tl.program_id(0), M_TILES, N, BLOCK_N, GROUP)
         # Expert of row tile tile_m: the number of experts whose cumulative tile count is <= tile_m.
-        experts = tl.arange(0, E_P2)
-        ends = tl.load(ends_ptr + experts, mask=experts < E, other=0)
-        starts = tl.load(ends_ptr + experts - 1, mask=(experts > 0) & (experts < E), other=0)
-        tiles = tl.cdiv(ends - starts, BLOCK_M)  # 0 past the last expert
-        tile_ends = tl.cumsum(tiles, 0)
+        experts, starts, ends, tiles, tile_ends = _expert_tiles(ends_ptr, E, E_P2, BLOCK_M)
         e = tl.sum((tile_ends <= tile_m).to(tl.int32))
         if e >= E:
             return  # past the last row tile: the grid covers the worst case
@@ -123,6 +143,59 @@ if triton is not None:
             acc = acc * sa[:, None] * sb[None, :]
         c_ptrs = c_ptr + rows64[:, None] * stride_cm + cols[None, :] * stride_cn
         tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+
+    @triton.jit
+    def _grouped_mm_tma_kernel(
+        a_desc, b_desc, c_ptr, sa_ptr, sb_ptr, ends_ptr, N, K, M_TILES, E,
+        stride_cm, stride_cn, stride_sam, stride_sbe, stride_sbn,
+        SCALING: tl.constexpr, PRECISION: tl.constexpr, E_P2: tl.constexpr, BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr, PERSISTENT: tl.constexpr,
+    ):
+        """_grouped_mm_kernel (SCALING 0 or 1) with both operands read by the Tensor Memory Accelerator:
+        a_desc over a [R, K], b_desc over b stored [E * N, K] (each expert's N rows of K). A tile may read
+        rows of the next expert (a) or columns past N (b, the next expert's rows); the masked store drops
+        what they give, and reads past either tensor's end come back as zeros. PERSISTENT: one program
+        per SM walks the row tiles there are, in the same banded order, instead of a program a tile."""
+        experts, starts, ends, tiles, tile_ends = _expert_tiles(ends_ptr, E, E_P2, BLOCK_M)
+        if PERSISTENT:
+            m_tiles = tl.sum(tiles)
+            for pid in range(tl.program_id(0), m_tiles * tl.cdiv(N, BLOCK_N), tl.num_programs(0)):
+                _tma_tile(pid, m_tiles, experts, starts, ends, tiles, tile_ends, a_desc, b_desc, c_ptr, sa_ptr, sb_ptr,
+                          N, K, E, stride_cm, stride_cn, stride_sam, stride_sbe, stride_sbn,
+                          SCALING, PRECISION, BLOCK_M, BLOCK_N, BLOCK_K, GROUP)
+        else:
+            _tma_tile(tl.program_id(0), M_TILES, experts, starts, ends, tiles, tile_ends, a_desc, b_desc, c_ptr, sa_ptr,
+                      sb_ptr, N, K, E, stride_cm, stride_cn, stride_sam, stride_sbe, stride_sbn,
+                      SCALING, PRECISION, BLOCK_M, BLOCK_N, BLOCK_K, GROUP)
+
+    @triton.jit
+    def _tma_tile(pid, m_tiles, experts, starts, ends, tiles, tile_ends, a_desc, b_desc, c_ptr, sa_ptr, sb_ptr,
+                  N, K, E, stride_cm, stride_cn, stride_sam, stride_sbe, stride_sbn,
+                  SCALING: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                  BLOCK_K: tl.constexpr, GROUP: tl.constexpr):
+        """Output tile pid of _grouped_mm_tma_kernel (the tiles banded as _grouped_mm_kernel's)."""
+        tile_m, tile_n = _band_tile(pid, m_tiles, N, BLOCK_N, GROUP)
+        e = tl.sum((tile_ends <= tile_m).to(tl.int32))
+        if e < E:  # else past the last row tile: the grid covers the worst case
+            mine = experts == e
+            end = tl.sum(tl.where(mine, ends, 0))
+            row0 = tl.sum(tl.where(mine, starts, 0)) + (tile_m - tl.sum(tl.where(mine, tile_ends - tiles, 0))) * BLOCK_M
+            col0 = tile_n * BLOCK_N
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                a = a_desc.load([row0, k0])
+                b = b_desc.load([e * N + col0, k0])
+                acc = tl.dot(a, b.T, acc, input_precision=PRECISION)
+            rows = row0 + tl.arange(0, BLOCK_M)
+            cols = col0 + tl.arange(0, BLOCK_N)
+            row_ok, col_ok = rows < end, cols < N
+            rows64 = rows.to(tl.int64)
+            if SCALING == 1:
+                sa = tl.load(sa_ptr + rows64 * stride_sam, mask=row_ok, other=0.0)
+                sb = tl.load(sb_ptr + e.to(tl.int64) * stride_sbe + cols * stride_sbn, mask=col_ok, other=0.0)
+                acc = acc * sa[:, None] * sb[None, :]
+            c_ptrs = c_ptr + rows64[:, None] * stride_cm + cols[None, :] * stride_cn
+            tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
     @triton.jit
     def _wgrad_slab(acc, r0, row_ok, R, a_ptr, b_ptr, a_offsets, b_offsets, sa_ptrs, sb_ptrs, kk_ok, col_ok,
@@ -222,12 +295,12 @@ def default_config(dtype: torch.dtype, n: int, rows_per_expert: float, block: in
     Block-scaled FP8 holds a second [BLOCK_M, BLOCK_N] fp32 tile (each slab's product before it is
     scaled): 128 x 256 would spill registers there (ptxas, sm_90a), so its column tiles stay at 128."""
     if dtype == torch.float32:  # correctness more than speed: CUDA-core FMAs unless TF32 is allowed
-        return dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, num_warps=4, num_stages=3, GROUP=8)
+        return dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, num_warps=4, num_stages=3, GROUP=8, TMA=0)
     block_m = 64 if rows_per_expert < 96 else 128
     block_n = 256 if n >= 1024 and block_m == 128 and not block else 128
     stages = 3 if block_n == 256 else 4  # <= 147 KiB of shared memory for the operand tiles
     return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=128 if dtype == FP8 else 64, num_warps=8, num_stages=stages,
-                GROUP=8)
+                GROUP=8, TMA=int(dtype == FP8 and not block and TensorDescriptor is not None))
 
 
 def _config(config: list[int], dtype: torch.dtype, n: int, rows_per_expert: float, block: int) -> dict:
@@ -314,6 +387,21 @@ def _grouped_mm_impl(a_RK: torch.Tensor, b_EKN: torch.Tensor, ends_E: torch.Tens
         return c_RN
     m_tiles = triton.cdiv(rows, cfg["BLOCK_M"]) + num_experts  # each expert wastes at most one partial tile
     grid = (m_tiles * triton.cdiv(n, cfg["BLOCK_N"]),)
+    if cfg["TMA"] and scaling != 2 and _tma_layout(a_RK, b_EKN):
+        b_rows = b_EKN.transpose(1, 2)  # [E, N, K], K contiguous: one [E * N, K] matrix
+        a_desc = TensorDescriptor(a_RK, list(a_RK.shape), [a_RK.stride(0), 1], [cfg["BLOCK_M"], cfg["BLOCK_K"]])
+        b_desc = TensorDescriptor(b_rows, [num_experts * n, k], [b_rows.stride(1), 1], [cfg["BLOCK_N"], cfg["BLOCK_K"]])
+        if cfg["TMA"] == 2:
+            grid = (min(grid[0], _multiprocessors(a_RK.device)),)
+        with _on_device(a_RK):
+            _grouped_mm_tma_kernel[grid](
+                a_desc, b_desc, c_RN, a_scale if scaling else c_RN, b_scale if scaling else c_RN, ends_E,
+                n, k, m_tiles, num_experts, *c_RN.stride(), sa_strides[0], sb_strides[0], sb_strides[2],
+                SCALING=scaling, PRECISION=_precision(a_RK.dtype), E_P2=triton.next_power_of_2(num_experts),
+                BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], GROUP=cfg["GROUP"],
+                PERSISTENT=cfg["TMA"] == 2, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+            )
+        return c_RN
     with _on_device(a_RK):
         _grouped_mm_kernel[grid](
             a_RK, b_EKN, c_RN, a_scale if scaling else c_RN, b_scale if scaling else c_RN, ends_E,
@@ -350,6 +438,23 @@ def _grouped_mm_wgrad_impl(a_RK: torch.Tensor, b_RN: torch.Tensor, ends_E: torch
             BLOCK_K=cfg["BLOCK_K"], GROUP=cfg["GROUP"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         )
     return dw_EKN
+
+
+def _tma_layout(a_RK: torch.Tensor, b_EKN: torch.Tensor) -> bool:
+    """Whether the TMA kernel can read these operands: K contiguous in both, b's experts [N, K] matrices
+    one after another, every row start 16-byte aligned (a layout it cannot read takes the pointer kernel)."""
+    if TensorDescriptor is None:
+        return False
+    size = a_RK.element_size()
+    e, k, n = b_EKN.shape
+    return (a_RK.stride(1) == 1 and b_EKN.stride(1) == 1 and b_EKN.stride(0) == n * b_EKN.stride(2)
+            and all(stride * size % 16 == 0 for stride in (a_RK.stride(0), b_EKN.stride(2)))
+            and a_RK.data_ptr() % 16 == 0 and b_EKN.data_ptr() % 16 == 0)
+
+
+def _multiprocessors(device: torch.device) -> int:
+    """The programs of a persistent kernel: one per SM (4 in the interpreter)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
 
 
 def _on_device(t: torch.Tensor):

@@ -107,6 +107,19 @@ def interpreter_checks() -> None:
             for k, n, layout in sizes:
                 check("mm", dtype, scaling, counts, k, n, layout=layout,
                       config=dict(TINY, BLOCK_K=32) if k == 200 else TINY)
+    # The TMA kernel (config TMA=1) in the layout it reads: K contiguous, 16-byte rows. N not a multiple
+    # of BLOCK_N (a tile reads the next expert's weight rows) and K not one of BLOCK_K (zeros past the
+    # end), experts empty at the start, middle and end; where the layout does not allow TMA (K = 200
+    # E4M3 bytes) the pointer kernel runs.
+    for counts in ([0, 21, 0, 40, 3, 0], [37]):
+        for dtype, scaling in ((torch.float32, "none"), (tg.FP8, "row")):
+            for k, n in ((64, 40), (80, 16), (200, 24)):
+                a, b, *_ = _operands(dtype, scaling, "mm", sum(counts), k, n, len(counts), "reduction", "cpu")
+                assert tg._tma_layout(a, b) == (k * a.element_size() % 16 == 0), (dtype, k)
+                for tma in (1, 2):
+                    check("mm", dtype, scaling, counts, k, n, layout="reduction", config=dict(TINY, BLOCK_K=32, TMA=tma))
+    a = torch.randn(8, 16)
+    assert not tg._tma_layout(a, torch.randn(2, 16, 8)) and not tg._tma_layout(a.t(), torch.randn(2, 8, 16).mT)
     # Weight gradients: experts crossing 128-row scale blocks and BLOCK_K slab edges, starting and
     # ending inside a slab, an empty one, one within one slab, one aligned to both; operands with
     # columns or rows contiguous.
@@ -133,6 +146,19 @@ def test_kernels_in_the_interpreter():
     assert result.returncode == 0 and result.stdout.strip() == "ok", result.stdout[-2000:] + result.stderr[-4000:]
 
 
+def _assert_no_spills(ptx: str, tmp_path: Path, what) -> None:
+    """ptxas -v (Triton's own, when it ships one) reports no register spills for sm_90a."""
+    import triton
+
+    ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+    if ptxas.exists():
+        path = tmp_path / "kernel.ptx"
+        path.write_text(ptx)
+        report = subprocess.run([str(ptxas), "-arch=sm_90a", "-v", str(path), "-o", os.devnull],
+                                capture_output=True, text=True).stderr
+        assert re.search(r"\b0 bytes spill stores", report), (what, report)
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CUDA tests compile the kernels there")
 def test_kernels_compile_for_hopper(tmp_path):
     """Compiled for sm_90 by Triton on this CPU at the default tiles of a large GEMM, with aligned
@@ -143,7 +169,6 @@ def test_kernels_compile_for_hopper(tmp_path):
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
     pointers = {"a_ptr": "", "b_ptr": "", "c_ptr": "*bf16", "sa_ptr": "*fp32", "sb_ptr": "*fp32", "ends_ptr": "*i32"}
     ints = {"mm": "N K M_TILES E stride_am stride_be stride_bn stride_cm stride_sam stride_sak stride_sbe stride_sbk "
                   "stride_sbn", "wgrad": "R N K stride_ak stride_bn stride_ce stride_ck stride_sa0 stride_sb0"}
@@ -167,12 +192,38 @@ def test_kernels_compile_for_hopper(tmp_path):
         what = (kind, dtype, scaling)
         assert "wgmma.mma_async" in ptx and "cp.async.cg.shared.global" in ptx, what
         assert ("e4m3" in ptx) == (dtype == tg.FP8), what
-        if ptxas.exists():
-            path = tmp_path / "kernel.ptx"
-            path.write_text(ptx)
-            report = subprocess.run([str(ptxas), "-arch=sm_90a", "-v", str(path), "-o", os.devnull],
-                                    capture_output=True, text=True).stderr
-            assert re.search(r"\b0 bytes spill stores", report), (what, report)
+        _assert_no_spills(ptx, tmp_path, what)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CUDA tests compile the kernels there")
+def test_tma_kernel_compiles_for_hopper(tmp_path):
+    """grouped_mm's TMA kernel, compiled for sm_90 on this CPU at FP8's default tiles, one program a
+    tile and persistent: tensor-memory copies (cp.async.bulk.tensor) feeding E4M3 warp-group MMAs,
+    and (ptxas -v) no register spills."""
+    triton = pytest.importorskip("triton")
+    pytest.importorskip("triton.backends.nvidia")
+    if tg.TensorDescriptor is None:
+        pytest.skip("this Triton has no host tensor descriptors")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    fn = tg._grouped_mm_tma_kernel
+    config = tg.default_config(tg.FP8, 4096, 1024)
+    assert config["TMA"] == 1
+    block_m, block_n, block_k = config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"]
+    types = {"a_desc": f"tensordesc<fp8e4nv[{block_m}, {block_k}]>", "b_desc": f"tensordesc<fp8e4nv[{block_n}, {block_k}]>",
+             "c_ptr": "*bf16", "sa_ptr": "*fp32", "sb_ptr": "*fp32", "ends_ptr": "*i32",
+             **dict.fromkeys("N K M_TILES E stride_cm stride_sam stride_sbe".split(), "i32")}
+    for persistent in (False, True):
+        constants = dict(stride_cn=1, stride_sbn=1, SCALING=1, PRECISION="tf32", E_P2=8, BLOCK_M=block_m,
+                         BLOCK_N=block_n, BLOCK_K=block_k, GROUP=config["GROUP"], PERSISTENT=persistent)
+        source = ASTSource(fn=fn, signature={**types, **dict.fromkeys(constants, "constexpr")}, constexprs=constants,
+                           attrs={(fn.arg_names.index(name),): [["tt.divisibility", 16]]
+                                  for name in types if not name.endswith("desc")})
+        ptx = triton.compile(source, target=GPUTarget("cuda", 90, 32),
+                             options=dict(num_warps=config["num_warps"], num_stages=config["num_stages"])).asm["ptx"]
+        assert "cp.async.bulk.tensor" in ptx and "wgmma.mma_async" in ptx and "e4m3" in ptx, persistent
+        _assert_no_spills(ptx, tmp_path, persistent)
 
 
 def test_bad_arguments_are_refused():
@@ -281,6 +332,25 @@ def test_lm_shapes_on_the_gpu(shape, dtype, scaling, kind, device):
         layout = "reduction" if fast or kind == "dgrad" else "plain"
         check("wgrad" if kind == "wgrad" else "mm", dtype, scaling, counts, k, n, device, layout=layout,
               out_dtype=torch.bfloat16, tolerance=tolerance)
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+@pytest.mark.parametrize("dtype,scaling", [(torch.bfloat16, "none"), (tg.FP8, "row")])
+@pytest.mark.parametrize("device", [pytest.param("cuda", marks=SM90)])
+def test_tma_kernel_at_lm_shapes_on_the_gpu(shape, dtype, scaling, device):
+    """grouped_mm's TMA kernel (config TMA=1, and TMA=2 persistent) at the scaled-down LM shapes, forward and dgrad, in the
+    layout it reads (K contiguous); then ragged experts with K and N off the tiles."""
+    torch.manual_seed(4)
+    rows, d, h, num_experts = SHAPES[shape]
+    counts = _random_counts(rows, num_experts, seed=5)
+    for tma in (1, 2):
+        config = dict(tg.default_config(dtype, 1024, rows / num_experts), TMA=tma)
+        for k, n in ((d, 2 * h), (h, d), (2 * h, d), (d, h)):
+            check("mm", dtype, scaling, counts, k, n, device, layout="reduction", out_dtype=torch.bfloat16,
+                  config=config, tolerance=GPU_TOLERANCE[dtype])
+        for ragged in ([0, 0, 300, 0], [517], [1, 0, 255, 129]):
+            check("mm", dtype, scaling, ragged, 208, 136, device, layout="reduction", out_dtype=torch.bfloat16,
+                  config=config, tolerance=GPU_TOLERANCE[dtype])
 
 
 @pytest.mark.parametrize("device", [pytest.param("cuda", marks=SM90)])
