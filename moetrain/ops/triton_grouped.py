@@ -92,6 +92,25 @@ if triton is not None:
         return experts, starts, ends, tiles, tl.cumsum(tiles, 0)
 
     @triton.jit
+    def _tile_rows(tile_m, e, experts, starts, ends, tiles, tile_ends, BLOCK_M: tl.constexpr):
+        """(first row, end row of its expert) of row tile tile_m, a tile of expert e (_expert_tiles' table)."""
+        mine = experts == e
+        first_tile = tl.sum(tl.where(mine, tile_ends - tiles, 0))
+        return tl.sum(tl.where(mine, starts, 0)) + (tile_m - first_tile) * BLOCK_M, tl.sum(tl.where(mine, ends, 0))
+
+    @triton.jit
+    def _store_rows(acc, rows, cols, row_ok, col_ok, e, c_ptr, sa_ptr, sb_ptr, stride_cm, stride_cn, stride_sam,
+                    stride_sbe, stride_sbn, SCALING: tl.constexpr):
+        """grouped_mm's epilogue: acc times the row and column scales (SCALING 1), stored where in range."""
+        rows64 = rows.to(tl.int64)
+        if SCALING == 1:
+            sa = tl.load(sa_ptr + rows64 * stride_sam, mask=row_ok, other=0.0)
+            sb = tl.load(sb_ptr + e.to(tl.int64) * stride_sbe + cols * stride_sbn, mask=col_ok, other=0.0)
+            acc = acc * sa[:, None] * sb[None, :]
+        c_ptrs = c_ptr + rows64[:, None] * stride_cm + cols[None, :] * stride_cn
+        tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+
+    @triton.jit
     def _grouped_mm_kernel(
         a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, ends_ptr, N, K, M_TILES, E,
         stride_am, stride_ak, stride_be, stride_bk, stride_bn, stride_cm, stride_cn,
@@ -107,11 +126,8 @@ if triton is not None:
         e = tl.sum((tile_ends <= tile_m).to(tl.int32))
         if e >= E:
             return  # past the last row tile: the grid covers the worst case
-        mine = experts == e
-        start = tl.sum(tl.where(mine, starts, 0))
-        end = tl.sum(tl.where(mine, ends, 0))
-        first_tile = tl.sum(tl.where(mine, tile_ends - tiles, 0))
-        rows = start + (tile_m - first_tile) * BLOCK_M + tl.arange(0, BLOCK_M)
+        row0, end = _tile_rows(tile_m, e, experts, starts, ends, tiles, tile_ends, BLOCK_M)
+        rows = row0 + tl.arange(0, BLOCK_M)
         cols = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
         row_ok, col_ok = rows < end, cols < N
         rows64, e64 = rows.to(tl.int64), e.to(tl.int64)
@@ -137,12 +153,8 @@ if triton is not None:
                 acc = tl.dot(a, b, acc, input_precision=PRECISION)
             a_ptrs += BLOCK_K * stride_ak
             b_ptrs += BLOCK_K * stride_bk
-        if SCALING == 1:
-            sa = tl.load(sa_ptr + rows64 * stride_sam, mask=row_ok, other=0.0)
-            sb = tl.load(sb_ptr + e64 * stride_sbe + cols * stride_sbn, mask=col_ok, other=0.0)
-            acc = acc * sa[:, None] * sb[None, :]
-        c_ptrs = c_ptr + rows64[:, None] * stride_cm + cols[None, :] * stride_cn
-        tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+        _store_rows(acc, rows, cols, row_ok, col_ok, e, c_ptr, sa_ptr, sb_ptr, stride_cm, stride_cn, stride_sam,
+                    stride_sbe, stride_sbn, SCALING)
 
     @triton.jit
     def _grouped_mm_tma_kernel(
@@ -177,9 +189,7 @@ if triton is not None:
         tile_m, tile_n = _band_tile(pid, m_tiles, N, BLOCK_N, GROUP)
         e = tl.sum((tile_ends <= tile_m).to(tl.int32))
         if e < E:  # else past the last row tile: the grid covers the worst case
-            mine = experts == e
-            end = tl.sum(tl.where(mine, ends, 0))
-            row0 = tl.sum(tl.where(mine, starts, 0)) + (tile_m - tl.sum(tl.where(mine, tile_ends - tiles, 0))) * BLOCK_M
+            row0, end = _tile_rows(tile_m, e, experts, starts, ends, tiles, tile_ends, BLOCK_M)
             col0 = tile_n * BLOCK_N
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             for k0 in range(0, K, BLOCK_K):
@@ -188,14 +198,8 @@ if triton is not None:
                 acc = tl.dot(a, b.T, acc, input_precision=PRECISION)
             rows = row0 + tl.arange(0, BLOCK_M)
             cols = col0 + tl.arange(0, BLOCK_N)
-            row_ok, col_ok = rows < end, cols < N
-            rows64 = rows.to(tl.int64)
-            if SCALING == 1:
-                sa = tl.load(sa_ptr + rows64 * stride_sam, mask=row_ok, other=0.0)
-                sb = tl.load(sb_ptr + e.to(tl.int64) * stride_sbe + cols * stride_sbn, mask=col_ok, other=0.0)
-                acc = acc * sa[:, None] * sb[None, :]
-            c_ptrs = c_ptr + rows64[:, None] * stride_cm + cols[None, :] * stride_cn
-            tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+            _store_rows(acc, rows, cols, rows < end, cols < N, e, c_ptr, sa_ptr, sb_ptr, stride_cm, stride_cn,
+                        stride_sam, stride_sbe, stride_sbn, SCALING)
 
     @triton.jit
     def _wgrad_slab(acc, r0, row_ok, R, a_ptr, b_ptr, a_offsets, b_offsets, sa_ptrs, sb_ptrs, kk_ok, col_ok,
@@ -446,8 +450,7 @@ def _tma_layout(a_RK: torch.Tensor, b_EKN: torch.Tensor) -> bool:
     if TensorDescriptor is None:
         return False
     size = a_RK.element_size()
-    e, k, n = b_EKN.shape
-    return (a_RK.stride(1) == 1 and b_EKN.stride(1) == 1 and b_EKN.stride(0) == n * b_EKN.stride(2)
+    return (a_RK.stride(1) == 1 and b_EKN.stride(1) == 1 and b_EKN.stride(0) == b_EKN.size(2) * b_EKN.stride(2)
             and all(stride * size % 16 == 0 for stride in (a_RK.stride(0), b_EKN.stride(2)))
             and a_RK.data_ptr() % 16 == 0 and b_EKN.data_ptr() % 16 == 0)
 
