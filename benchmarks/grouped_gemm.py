@@ -27,6 +27,8 @@ from moetrain.timing import median_ms
 # Expert GEMMs of LM shapes: tokens T, model dim D, expert hidden dim H, experts E, top-k.
 LM_SHAPES = {"moe_1b5": (32768, 2048, 2048, 8, 2), "qwen3_30b": (16384, 2048, 768, 128, 8),
              "mixtral": (8192, 4096, 14336, 8, 2), "dsv3": (8192, 7168, 2048, 256, 8)}
+# Our FP8 row-wise kernels, by the config's TMA key: pointer loads, TMA, TMA persistent.
+FP8_ROW_KERNELS = (("fp8 row ours", 0), ("fp8 row tma", 1), ("fp8 row tma persistent", 2))
 # (BLOCK_M, BLOCK_N, num_warps, num_stages) tried by --sweep; BLOCK_K is the dtype's default.
 SWEEP = ((128, 256, 8, 3), (128, 256, 8, 4), (128, 128, 8, 4), (128, 128, 4, 4), (64, 256, 8, 3), (64, 128, 4, 4),
          (256, 128, 8, 3), (256, 128, 8, 4), (128, 64, 4, 5))
@@ -177,17 +179,15 @@ def _bench_gemm(shape: str, gemm: str, counts: list[int], k: int, n: int, seed: 
     xq, sx = fp8_quantize.quantize_rows(x)
     wq, sw = fp8_quantize.quantize_weight(w, over=1)  # [E, n, k], scales [E, n]
     ops = (xq, wq.transpose(1, 2), ends_E, sx, sw, 0)
-    record("fwd", "fp8 row ours", lambda cfg: grouped_mm(*ops[:5], config=cfg), ops, FP8)
-    record("fwd", "fp8 row tma", lambda cfg: grouped_mm(*ops[:5], config=cfg), ops, FP8, tma=1)
-    record("fwd", "fp8 row tma persistent", lambda cfg: grouped_mm(*ops[:5], config=cfg), ops, FP8, tma=2)
+    for variant, tma in FP8_ROW_KERNELS:
+        record("fwd", variant, lambda cfg: grouped_mm(*ops[:5], config=cfg), ops, FP8, tma=tma)
     record("fwd", "fp8 row torch", lambda cfg: torch._scaled_grouped_mm(
         xq, ops[1], sx, sw, offs=ends_E, out_dtype=bf16), ops)
     dyq, sdy = fp8_quantize.quantize_rows(dy)
     wq, sw = fp8_quantize.quantize_weight(w, over=2)  # [E, k, n], scales [E, k]
     ops = (dyq, wq.transpose(1, 2), ends_E, sdy, sw, 0)
-    record("dgrad", "fp8 row ours", lambda cfg: grouped_mm(*ops[:5], config=cfg), ops, FP8)
-    record("dgrad", "fp8 row tma", lambda cfg: grouped_mm(*ops[:5], config=cfg), ops, FP8, tma=1)
-    record("dgrad", "fp8 row tma persistent", lambda cfg: grouped_mm(*ops[:5], config=cfg), ops, FP8, tma=2)
+    for variant, tma in FP8_ROW_KERNELS:
+        record("dgrad", variant, lambda cfg: grouped_mm(*ops[:5], config=cfg), ops, FP8, tma=tma)
     record("dgrad", "fp8 row torch", lambda cfg: torch._scaled_grouped_mm(
         dyq, ops[1], sdy, sw, offs=ends_E, out_dtype=bf16), ops)
     del wq, ops
