@@ -22,6 +22,8 @@ try:
 except ImportError:
     triton = None
 
+from moetrain.ops.launch import on_device_of
+
 _BLOCK_ROWS, _BLOCK_COLS = 16, 256
 
 
@@ -50,7 +52,7 @@ def _packed_bias_act(y_RO: torch.Tensor, b_EO: torch.Tensor, expert_R: torch.Ten
     rows, cols = y_RO.shape
     if rows and cols:
         grid = (triton.cdiv(rows, _BLOCK_ROWS), triton.cdiv(cols, _BLOCK_COLS))
-        with torch.cuda.device(y_RO.device):
+        with on_device_of(y_RO):
             _bias_act_kernel[grid](y_RO, b_EO, expert_R, out_RO, rows, cols, RELU=relu,
                                    BLOCK_ROWS=_BLOCK_ROWS, BLOCK_COLS=_BLOCK_COLS)
     return out_RO

@@ -26,6 +26,8 @@ try:
 except ImportError:  # without Triton, CUDA tensors take the torch path (see gated_activation)
     triton = None
 
+from moetrain.ops.launch import on_device_of
+
 log = logging.getLogger("moetrain")
 
 ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "relu": F.relu}
@@ -91,7 +93,7 @@ def _swiglu(gate_up: torch.Tensor) -> torch.Tensor:
     h = gate_up.new_empty(gate_up.size(0), gate_up.size(1) // 2)
     pairs = h.numel()
     if pairs:
-        with torch.cuda.device(gate_up.device):
+        with on_device_of(gate_up):
             _swiglu_forward_kernel[_grid(pairs)](gate_up, h, pairs, BLOCK=_PAIRS_PER_PROGRAM)
     return h
 
@@ -106,7 +108,7 @@ def _swiglu_backward(grad_h: torch.Tensor, gate_up: torch.Tensor) -> torch.Tenso
     grad_gate_up = torch.empty_like(gate_up)
     pairs = grad_h.numel()
     if pairs:
-        with torch.cuda.device(gate_up.device):
+        with on_device_of(gate_up):
             _swiglu_backward_kernel[_grid(pairs)](grad_h, gate_up, grad_gate_up, pairs, BLOCK=_PAIRS_PER_PROGRAM)
     return grad_gate_up
 

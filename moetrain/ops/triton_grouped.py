@@ -52,8 +52,6 @@ Shape letters: R rows, K reduction (input) features, N output features, E expert
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 
 try:
@@ -65,6 +63,8 @@ try:
     from triton.tools.tensor_descriptor import TensorDescriptor
 except ImportError:  # a Triton without host-side tensor descriptors: grouped_mm's TMA kernel is not offered
     TensorDescriptor = None
+
+from moetrain.ops.launch import on_device_of
 
 FP8 = torch.float8_e4m3fn
 SCALE_BLOCK = 128  # block=128: the K (grouped_mm) or row (wgrad) extent of one scale
@@ -397,7 +397,7 @@ def _grouped_mm_impl(a_RK: torch.Tensor, b_EKN: torch.Tensor, ends_E: torch.Tens
         b_desc = TensorDescriptor(b_rows, [num_experts * n, k], [b_rows.stride(1), 1], [cfg["BLOCK_N"], cfg["BLOCK_K"]])
         if cfg["TMA"] == 2:
             grid = (min(grid[0], _multiprocessors(a_RK.device)),)
-        with _on_device(a_RK):
+        with on_device_of(a_RK):
             _grouped_mm_tma_kernel[grid](
                 a_desc, b_desc, c_RN, a_scale if scaling else c_RN, b_scale if scaling else c_RN, ends_E,
                 n, k, m_tiles, num_experts, *c_RN.stride(), sa_strides[0], sb_strides[0], sb_strides[2],
@@ -406,7 +406,7 @@ def _grouped_mm_impl(a_RK: torch.Tensor, b_EKN: torch.Tensor, ends_E: torch.Tens
                 PERSISTENT=cfg["TMA"] == 2, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
             )
         return c_RN
-    with _on_device(a_RK):
+    with on_device_of(a_RK):
         _grouped_mm_kernel[grid](
             a_RK, b_EKN, c_RN, a_scale if scaling else c_RN, b_scale if scaling else c_RN, ends_E,
             n, k, m_tiles, num_experts, *a_RK.stride(), *b_EKN.stride(), *c_RN.stride(), *sa_strides, *sb_strides,
@@ -434,7 +434,7 @@ def _grouped_mm_wgrad_impl(a_RK: torch.Tensor, b_RN: torch.Tensor, ends_E: torch
     grid = (num_experts * triton.cdiv(k, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"]),)
     if grid[0] == 0:
         return dw_EKN
-    with _on_device(a_RK):
+    with on_device_of(a_RK):
         _grouped_mm_wgrad_kernel[grid](
             a_RK, b_RN, dw_EKN, a_scale if scaling else dw_EKN, b_scale if scaling else dw_EKN, ends_E, rows, n, k,
             *a_RK.stride(), *b_RN.stride(), *dw_EKN.stride(), *_strides(a_scale, 2), *_strides(b_scale, 2),
@@ -458,11 +458,6 @@ def _tma_layout(a_RK: torch.Tensor, b_EKN: torch.Tensor) -> bool:
 def _multiprocessors(device: torch.device) -> int:
     """The programs of a persistent kernel: one per SM (4 in the interpreter)."""
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
-
-
-def _on_device(t: torch.Tensor):
-    """Launch on t's GPU (Triton launches on the current one); a CPU tensor: the interpreter."""
-    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
 
 
 @torch.library.custom_op("moetrain::grouped_mm", mutates_args=(), device_types="cuda")

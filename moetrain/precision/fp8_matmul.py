@@ -73,6 +73,7 @@ import torch
 from moetrain import ops
 from moetrain.ops.graph import outside_the_graph
 from moetrain.ops.grouped import expert_matmul, group_ends
+from moetrain.ops.launch import on_device_of
 from moetrain.precision.formats import FP8_BLOCK, dequantize_fp8_blocks, dequantize_fp8_groups
 from moetrain.precision.fp8_quantize import (
     ALIGN, padded_ends, quantize_column_pair, quantize_column_tiles, quantize_row_tiles, quantize_rows, quantize_weight,
@@ -82,6 +83,7 @@ from moetrain.precision.recipes import check_fp8_precision, check_fp8_wgrad
 
 try:
     import triton
+    import triton.language as tl
 except ImportError:  # the CUDA path needs Triton (fp8_supported says so)
     triton = None
 
@@ -366,8 +368,46 @@ def _gather_rows_eager(table_TC: torch.Tensor, source_R: torch.Tensor, pad: floa
     return torch.cat([table_TC, table_TC.new_full((1, *table_TC.shape[1:]), pad)]).index_select(0, source_R)
 
 
+if triton is not None:
+
+    @triton.jit
+    def _gather_rows_kernel(table_ptr, source_ptr, out_ptr, pad, T, R, C, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+        # ROWS rows a program, BLOCK values of a row at a time: out[r] = table[source[r]], or pad
+        # where source[r] == T. Nothing is copied but the rows read: no padded table is built.
+        row_I = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+        source_I = tl.load(source_ptr + row_I, mask=row_I < R, other=T).to(tl.int64)
+        for c0 in range(0, C, BLOCK):
+            col_B = c0 + tl.arange(0, BLOCK)
+            in_IB = (row_I[:, None] < R) & (col_B[None, :] < C)
+            value_IB = tl.load(table_ptr + source_I[:, None] * C + col_B[None, :],
+                               mask=in_IB & (source_I[:, None] < T), other=pad)
+            tl.store(out_ptr + row_I[:, None] * C + col_B[None, :], value_IB, mask=in_IB)
+
+
+GATHER_VALUES = 2048  # values a program of _gather_rows_kernel holds at a time
+
+
+def _gather_rows_triton(table_TC: torch.Tensor, source_R: torch.Tensor, pad: float) -> torch.Tensor:
+    """_gather_rows_eager in one Triton kernel (E4M3 moved as bytes)."""
+    table_TC, source_R = table_TC.contiguous(), source_R.contiguous()
+    if table_TC.dtype == torch.float8_e4m3fn:
+        return _gather_rows_triton(table_TC.view(torch.uint8), source_R, pad).view(torch.float8_e4m3fn)
+    tokens, rows = table_TC.size(0), source_R.size(0)
+    out = table_TC.new_empty((rows, *table_TC.shape[1:]))
+    width = table_TC.shape[1:].numel()
+    if rows and width:
+        block = min(triton.next_power_of_2(width), GATHER_VALUES)
+        rows_each = max(1, GATHER_VALUES // block)
+        with on_device_of(out):
+            _gather_rows_kernel[(triton.cdiv(rows, rows_each),)](table_TC, source_R, out, pad, tokens, rows, width,
+                                                                 ROWS=rows_each, BLOCK=block, num_warps=4)
+    return out
+
+
 @torch.library.custom_op("moetrain::fp8_gather_rows", mutates_args=())
 def _gather_rows_op(table_TC: torch.Tensor, source_R: torch.Tensor, pad: float) -> torch.Tensor:
+    if table_TC.is_cuda and triton is not None:
+        return _gather_rows_triton(table_TC, source_R, pad)
     return _gather_rows_eager(table_TC, source_R, pad)
 
 

@@ -16,12 +16,11 @@ C columns, E experts, P rows padded per expert to multiples of ALIGN.
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 
 from moetrain import ops
 from moetrain.ops.grouped import expert_of_rows
+from moetrain.ops.launch import on_device_of
 from moetrain.precision import kernels
 from moetrain.precision.formats import (
     FP8_BLOCK, e4m3_encode, finite_amax, fp8_scale, quantize_fp8_blocks, quantize_fp8_groups,
@@ -232,7 +231,7 @@ def _quantize_transposed(x_RC: torch.Tensor, num_experts: int, counts_E: torch.T
         places = 0
         rows_per_matrix = rows_per_matrix or rows // num_experts
         quantize_grid = (num_experts, triton.cdiv(rows_per_matrix, _BLOCK_P), column_tiles)
-    with torch.cuda.device(x_RC.device) if x_RC.is_cuda else contextlib.nullcontext():  # CPU: the interpreter
+    with on_device_of(x_RC):
         _column_amax_kernel[(triton.cdiv(rows, _AMAX_ROWS), triton.cdiv(cols, _AMAX_COLS))](
             x_RC, expert_R, amax_EC, rows, cols, rows_per_matrix, PACKED=packed, BLOCK_R=_AMAX_ROWS,
             BLOCK_C=_AMAX_COLS, num_warps=_AMAX_WARPS)
@@ -385,7 +384,7 @@ def _quantize_weight_blocks_triton(w_EKN: torch.Tensor, k_contiguous: bool) -> t
                     device=w_EKN.device)
     scale_EKbNb = torch.empty(num_experts, k_blocks, n_blocks, dtype=torch.float32, device=w_EKN.device)
     if w_EKN.numel():
-        with torch.cuda.device(w_EKN.device) if w_EKN.is_cuda else contextlib.nullcontext():
+        with on_device_of(w_EKN):
             _quantize_weight_blocks_kernel[(n_blocks, k_blocks, num_experts)](
                 w_EKN, q, scale_EKbNb, k, n, k_blocks, n_blocks, TRANSPOSED=k_contiguous, BLOCK=FP8_BLOCK,
                 num_warps=8)

@@ -132,7 +132,7 @@ def quantizer_interpreter_checks() -> None:
     """The training quantizers' Triton kernels against the CPU paths (run under TRITON_INTERPRET=1
     by the test below): the per-expert columns with empty, short and tile-crossing experts and
     extra places past the last one, the weights' columns over K, the 128x1 tiles, the 128x128
-    weight blocks."""
+    weight blocks; and the token path's row gather."""
     torch.manual_seed(0)
     for counts in ([20, 0, 33, 7, 0], [0, 45], [37], [1], [130, 3, 0, 70], []):
         starts = torch.tensor([0] + counts).cumsum(0)[:-1].tolist()
@@ -183,6 +183,22 @@ def quantizer_interpreter_checks() -> None:
         nan = torch.zeros(got_scale.shape, dtype=torch.bool)
         nan[1, -1, -1] = True
         assert torch.equal(got_scale.isnan(), nan), (k, n)
+    # The token path's row gather (moetrain::fp8_gather_rows on CUDA): each row from a naive loop,
+    # the pad where the source is one past the table; E4M3 rows of odd and multi-block widths, 1-D
+    # and 2-D scales (fp8's rows, fp8_block's tiles), an empty table, no rows.
+    for tokens, rows, shape, dtype, pad in ((9, 14, (40,), torch.float8_e4m3fn, 0.0),
+                                            (5, 3, (2 * fp8_matmul.GATHER_VALUES + 24,), torch.float8_e4m3fn, 0.0),
+                                            (7, 12, (), torch.float32, 1.0), (6, 10, (3,), torch.float32, 1.0),
+                                            (0, 4, (16,), torch.float8_e4m3fn, 0.0), (4, 0, (16,), torch.float32, 1.0)):
+        table = (torch.randn(tokens, *shape) * 50).to(dtype)
+        source = torch.randint(0, tokens + 1, (rows,))
+        source[::3] = tokens  # pad rows, whatever the draw
+        got = fp8_matmul._gather_rows_triton(table, source, pad)
+        bytes_of = (lambda t: t.view(torch.uint8)) if dtype == torch.float8_e4m3fn else (lambda t: t)
+        want = [bytes_of(table[i]) if i < tokens else bytes_of(torch.full(shape, pad).to(dtype)) for i in source.tolist()]
+        assert got.shape == (rows, *shape) and got.dtype == dtype, (tokens, rows, shape)
+        for row, expected in enumerate(want):
+            assert torch.equal(bytes_of(got[row]), expected), (tokens, rows, shape, row)
     print("ok")
 
 
