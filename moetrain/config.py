@@ -187,6 +187,10 @@ class TrainerConfig:
     # first step compiles for a long time. Checkpoints keep the plain model's parameter names.
     compile: bool = False
     compile_mode: Optional[CompileMode] = None  # with compile: torch.compile's mode; null = its default
+    # with compile: inductor compiles each reduction (norms, softmax, amax) both in one pass over a row
+    # held in registers and as a loop over the row, and keeps the faster at its first call
+    # (inductor's triton.multi_kernel): longer compiles, fewer passes over rows of a few thousand
+    compile_tuned_reductions: bool = False
     activation_checkpointing: ActivationCheckpointing = ActivationCheckpointing.none
     async_checkpoint: bool = False  # multi-process: write sharded checkpoints while training goes on
     # Profile steps profile_at .. profile_at + 2 and write where their time goes (anatomy.md in the

@@ -36,7 +36,8 @@ from torch.utils.data import DataLoader
 from tqdm import tqdm
 
 from moetrain.config import (
-    Device, FP8Wgrad, LoggerConfig, NonFinite, OptimConfig, ParamDtype, Precision, SettingError, TrainerConfig,
+    CompileMode, Device, FP8Wgrad, LoggerConfig, NonFinite, OptimConfig, ParamDtype, Precision, SettingError,
+    TrainerConfig,
 )
 from moetrain.data import DataModule, unpack_batch
 from moetrain.moe import (
@@ -133,6 +134,17 @@ def resolve_device(device: Device) -> torch.device:
     return torch.device(device.value)
 
 
+def _compile_kwargs(mode: CompileMode | None, tuned_reductions: bool) -> dict:
+    """torch.compile's keyword arguments: the mode by torch's name for it; with tuned reductions, the
+    inductor options that mode stands for and triton.multi_kernel (torch.compile takes a mode or
+    options, not both)."""
+    if not tuned_reductions:
+        return {} if mode is None else {"mode": mode.value}
+    from torch._inductor import list_mode_options  # noqa: PLC0415 - inductor loads on first use
+
+    return {"options": {**list_mode_options("default" if mode is None else mode.value), "triton.multi_kernel": 1}}
+
+
 def task_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Mean cross-entropy over every scored position: logits [..., C], targets [...]."""
     return F.cross_entropy(logits.float().flatten(0, -2), targets.flatten(), ignore_index=IGNORE_INDEX)
@@ -202,7 +214,10 @@ class Trainer:
         if trainer.compile_mode is not None and not trainer.compile:
             raise SettingError(f"TrainerConfig.compile_mode={trainer.compile_mode.name!r} applies only with "
                                "TrainerConfig.compile=true; set compile=true, or leave compile_mode null")
-        compile_kwargs = {} if trainer.compile_mode is None else {"mode": trainer.compile_mode.value}
+        if trainer.compile_tuned_reductions and not trainer.compile:
+            raise SettingError("TrainerConfig.compile_tuned_reductions=true applies only with "
+                               "TrainerConfig.compile=true; set compile=true, or leave compile_tuned_reductions false")
+        compile_kwargs = _compile_kwargs(trainer.compile_mode, trainer.compile_tuned_reductions)
         self.forward = torch.compile(self.model, **compile_kwargs) if trainer.compile else self.model
         # Compiled, the loss reads the 16-bit logits once and its backward recomputes the softmax
         # from them: no fp32 copy of the logits and of their log-softmax is kept (on moe_1b5's 32k

@@ -404,6 +404,31 @@ def test_compile_mode_reaches_torch_compile(tmp_path, monkeypatch, mode):
     assert trained["train/loss"] == eager["train/loss"]
 
 
+@pytest.mark.parametrize("mode", [None, "reduce_overhead", "max_autotune"])
+def test_tuned_reductions_reach_torch_compile_with_the_modes_options(tmp_path, monkeypatch, mode):
+    """trainer.compile_tuned_reductions hands torch.compile inductor's triton.multi_kernel, with the
+    options of the mode asked for (torch.compile takes a mode or options, not both), written out
+    here as torch documents the modes: CUDA graphs for reduce-overhead, autotuning for max-autotune."""
+    from moetrain.config import CompileMode
+
+    calls = []
+    monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: calls.append(kwargs) or fn)
+    make_trainer(tmp_path, compile=True, compile_mode=None if mode is None else CompileMode[mode],
+                 compile_tuned_reductions=True).fit()
+    mode_options = {None: {}, "reduce_overhead": {"triton.cudagraphs": True},
+                    "max_autotune": {"max_autotune": True, "triton.cudagraphs": True,
+                                     "coordinate_descent_tuning": True}}
+    want = {"options": {**mode_options[mode], "triton.multi_kernel": 1}}
+    assert calls[:2] == [want, want]  # the model, then the loss
+
+
+def test_tuned_reductions_without_compile_are_refused(tmp_path):
+    from moetrain.config import SettingError
+
+    with pytest.raises(SettingError, match="compile_tuned_reductions=true applies only with TrainerConfig.compile="):
+        make_trainer(tmp_path, compile_tuned_reductions=True)
+
+
 def test_a_compile_mode_without_compile_is_refused(tmp_path):
     from moetrain.config import CompileMode, SettingError
 
