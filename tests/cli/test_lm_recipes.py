@@ -57,6 +57,37 @@ def test_h200_lm_recipe_runs_scaled_down_on_cpu(tmp_path):
     assert metrics["step"] == 3 and math.isfinite(metrics["eval/perplexity"])
 
 
+def test_the_fp8_h200_recipe_is_the_h200_recipe_with_the_speed_settings_only():
+    """moe_1b5_h200_fp8_lm composes moe_1b5_h200_lm (its model, data, optimizer, schedule and trainer
+    settings) and changes exactly the settings it names: nothing else of the base recipe moves."""
+    from omegaconf import OmegaConf
+
+    def flat(node, prefix=""):
+        if isinstance(node, dict):
+            return {k: v for key, value in node.items() for k, v in flat(value, f"{prefix}{key}.").items()}
+        return {prefix[:-1]: node}
+
+    def composed(recipe):
+        register_configs()
+        with hydra.initialize_config_module(config_module="moetrain.conf", version_base="1.3"):
+            return flat(OmegaConf.to_container(hydra.compose(config_name="config", overrides=[f"+recipe={recipe}"]),
+                                             enum_to_str=True))
+
+    base, fast = composed("moe_1b5_h200_lm"), composed("moe_1b5_h200_fp8_lm")
+    compose(["+recipe=moe_1b5_h200_fp8_lm"])  # and it passes the CLI's checks
+    changed = {key: (base.get(key), fast.get(key)) for key in base.keys() | fast.keys() if base.get(key) != fast.get(key)}
+    assert changed == {
+        "name": ("moe_1b5_h200_lm", "moe_1b5_h200_fp8_lm"),
+        "optim.moment_dtype": ("float32", "bfloat16"),
+        "trainer.param_dtype": ("float32", "bfloat16"),
+        "trainer.precision": ("bf16", "fp8"),
+        "trainer.fp8_linears": (False, True),
+        "trainer.compile_mode": (None, "reduce_overhead"),
+        "trainer.compile_tuned_reductions": (False, True),
+    }
+    assert base["model.preset"] == "moe_1b5" and base["trainer.compile"] is True
+
+
 def compose(overrides):
     register_configs()
     with hydra.initialize_config_module(config_module="moetrain.conf", version_base="1.3"):
