@@ -53,6 +53,7 @@ from moetrain.train.processes import SingleProcess
 from moetrain.train.stream import BatchStream
 
 _PROFILED_STEPS = 3  # trainer.profile_at profiles this many steps
+_RATE_KEYS = ("train/samples_per_sec", "train/tokens_per_sec", "train/mfu")  # what a window of timed steps logs
 log = logging.getLogger(__name__)
 
 EVAL_TAGS = ["eval/loss", "eval/accuracy"]
@@ -81,8 +82,11 @@ class _StepRecord:
     norm, clipping factor) and routing counts, copied to the host without waiting for the GPU; read()
     waits for the copy (on the CPU there is nothing to wait for)."""
 
-    def __init__(self, step: int, values: torch.Tensor, routing: dict[str, list]):
+    def __init__(self, step: int, values: torch.Tensor, routing: dict[str, list], done: torch.cuda.Event | None = None):
         self.step, self.seconds, self.names = step, 0.0, list(routing)
+        # done: a CUDA event recorded where the step's numbers are final, whose time the step's duration
+        # ends at (Trainer._check); timed: whether the step counts in the window's rate (not profiled).
+        self.done, self.timed = done, True
         sizes = [t.numel() for pair in routing.values() for t in pair]
         counts = torch.cat([t.reshape(-1) for pair in routing.values() for t in pair]) if sizes \
             else values.new_zeros(0, dtype=torch.int64)
@@ -111,7 +115,8 @@ class _Window:
     def __init__(self):
         self.losses: list[float] = []
         self.aux: list[float] = []
-        self.seconds = 0.0
+        self.seconds = 0.0  # of the timed steps
+        self.timed = self.untimed = 0  # steps in the rate, and steps left out of it (profiled)
         self.routing = defaultdict(lambda: [0, 0])  # layer -> [tokens per expert, kept per expert]
 
 
@@ -236,6 +241,10 @@ class Trainer:
         # decide on the host.
         self.device_flags = isinstance(self.processes, SingleProcess) and takes_device_flags(self.optimizer)
         self.pending: _StepRecord | None = None  # a queued step whose numbers the host has not read
+        # On a GPU, the event the next step read is timed from (_check): the last read step's end, or
+        # where training resumed after a pause; None outside fit() and after a pause.
+        self._since: torch.cuda.Event | None = None
+        self.recent_seconds: deque[float] = deque(maxlen=3)
         # What fit() logs to (set by _train): the steps since the last log line, the bar, TensorBoard.
         self.window, self.bar, self.board = _Window(), None, None
         pin = self.device.type == "cuda"
@@ -461,7 +470,11 @@ class Trainer:
         stop = torch.full((), float(self.stop_requested), device=self.device)
         reduced = self.processes.mean_over_ranks(torch.stack([loss_total / accum, aux_total / accum, stop]))
         values = torch.cat([reduced, grad_norm.reshape(1).to(reduced), clip.reshape(1).to(reduced)])
-        record = _StepRecord(self.step, values, routing)
+        done = None
+        if self.device.type == "cuda":
+            done = torch.cuda.Event(enable_timing=True)
+            done.record()
+        record = _StepRecord(self.step, values, routing, done)
         if self.device_flags:
             skip = ~(torch.isfinite(values[:2]).all() & torch.isfinite(values[3]))  # loss, aux loss, gradient norm
             self._settle()  # the step before this one, whose numbers have reached the host by now
@@ -482,8 +495,15 @@ class Trainer:
         return record
 
     def _check(self, record: _StepRecord) -> None:
-        """Act on a step's numbers: stop or count a non-finite step, note a stop request."""
+        """Act on a step's numbers: stop or count a non-finite step, note a stop request. On a GPU, also
+        time the step: from the previous step's end, or from where training resumed after a pause, to
+        its own end, both as the GPU reached them (the host runs ahead of the GPU, so its own clock
+        would give a step the GPU work queued before it, or lose the work a pause let drain)."""
         record.read()
+        if record.done is not None and self._since is not None:
+            record.done.synchronize()
+            record.seconds = self._since.elapsed_time(record.done) / 1e3
+            self._since = record.done
         self.stopping = self.stopping or record.stop
         if record.finite:
             return
@@ -507,7 +527,13 @@ class Trainer:
     def _log(self, record: _StepRecord) -> None:
         """Add a read step to the logging window; at a logging step, write the window's metrics."""
         window = self.window
-        window.seconds += record.seconds
+        if record.timed:
+            window.seconds += record.seconds
+            window.timed += 1
+            if record.step < self.cfg.profile_at:
+                self.recent_seconds.append(record.seconds)
+        else:
+            window.untimed += 1
         if record.finite:  # a skipped step's loss would turn the average into NaN
             window.losses.append(record.loss)
             window.aux.append(record.aux)
@@ -521,7 +547,7 @@ class Trainer:
         # A stop is logged at the step the run stops after (the last one the host has read).
         stops_here = self.stopping and step == self.step
         if not ((step % self.logger_cfg.log_every == 0 or step == self.cfg.max_steps or stops_here)
-                and window.losses and window.seconds > 0):  # (no time: steps taken outside fit(), not logged)
+                and window.losses and (window.seconds > 0 or window.untimed)):  # (steps outside fit(): no time)
             return
         metrics = self.metrics
         samples_per_step = self.data.batch_size * self.cfg.grad_accum_steps * self.processes.world_size
@@ -530,17 +556,20 @@ class Trainer:
             "train/aux_loss": sum(window.aux) / len(window.aux),
             "train/lr": self.optimizer.param_groups[0]["lr"],
             "train/grad_norm": record.grad_norm,
-            "train/samples_per_sec": samples_per_step * len(window.losses) / window.seconds,
         })
         seq_len = self.data.model_inputs.get("max_seq_len")
-        if self.data.task == "language_modeling" and seq_len:  # tokens/s, and MFU on a GPU of known peak
+        for key in _RATE_KEYS:  # a window of profiled steps only has no rate: none, rather than the last one's
+            metrics.pop(key, None)
+        if window.seconds > 0:  # the rate of the timed steps (samples of all the window's steps otherwise)
+            metrics["train/samples_per_sec"] = samples_per_step * window.timed / window.seconds
+        if self.data.task == "language_modeling" and seq_len and window.seconds > 0:  # tokens/s, MFU (known peak)
             throughput = training_throughput(
                 self.model, metrics["train/samples_per_sec"], seq_len, self.device, self.processes.world_size
             )
             metrics.update({f"train/{key}": value for key, value in throughput.items()})
         if self.bar is not None:
-            self.bar.set_postfix(loss=f"{metrics['train/loss']:.4f}",
-                                 samples_s=f"{metrics['train/samples_per_sec']:.0f}", **load_postfix(window.routing))
+            rate = {"samples_s": f"{metrics['train/samples_per_sec']:.0f}"} if window.seconds > 0 else {}
+            self.bar.set_postfix(loss=f"{metrics['train/loss']:.4f}", **rate, **load_postfix(window.routing))
         if self.processes.is_main:
             append_metrics(self.run_dir, step, metrics, "train/")
         if self.board is not None:
@@ -640,20 +669,25 @@ class Trainer:
             board.hparams(self.run_config, EVAL_TAGS)
         self.board, self.bar, self.window, self.pending = board, bar, _Window(), None
         metrics = self.metrics
-        profiler, recent_seconds = None, deque(maxlen=3)  # trainer.profile_at: the steps before it set the wall time
+        profiler, self._since = None, None
+        self.recent_seconds = deque(maxlen=3)  # trainer.profile_at: the steps before it set the wall time
         self.model.train()
         while self.step < cfg.max_steps:
             self.step += 1
             if self.step == cfg.profile_at:
                 profiler = self._start_profiler()
+            if self.device.type == "cuda" and self._since is None:  # (re)starting: time from where the GPU is
+                self._since = torch.cuda.Event(enable_timing=True)
+                self._since.record()
             started = time.perf_counter()
             record = self._train_step()
-            record.seconds = time.perf_counter() - started
-            if profiler is None:
-                recent_seconds.append(record.seconds)
-            elif self.step == cfg.profile_at + _PROFILED_STEPS - 1 or self.step == cfg.max_steps:
-                self._write_anatomy(profiler, self.step - cfg.profile_at + 1, list(recent_seconds))
-                profiler = None
+            if record.done is None:  # on the CPU the host's clock is the step's: nothing runs ahead
+                record.seconds = time.perf_counter() - started
+            record.timed = profiler is None  # the profiler's own work stretches the steps it records
+            if profiler is not None and (self.step == cfg.profile_at + _PROFILED_STEPS - 1 or self.step == cfg.max_steps):
+                self._settle()  # the steps before the pause are timed up to here
+                self._write_anatomy(profiler, self.step - cfg.profile_at + 1, list(self.recent_seconds))
+                self._since, profiler = None, None
             last = self.step == cfg.max_steps
             evaluates = bool(cfg.eval_every and self.step % cfg.eval_every == 0) or last
             saves = bool(cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0) or last
@@ -677,3 +711,5 @@ class Trainer:
                     append_metrics(self.run_dir, self.step, metrics, "eval/")
             if saves:
                 self.save_checkpoint()
+            if evaluates or saves:  # a pause: the next step is timed from where the GPU resumes
+                self._since = None

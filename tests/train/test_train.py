@@ -434,3 +434,93 @@ def test_a_compile_mode_without_compile_is_refused(tmp_path):
 
     with pytest.raises(SettingError, match="compile_mode='reduce_overhead' applies only with TrainerConfig.compile=true"):
         make_trainer(tmp_path, compile_mode=CompileMode.reduce_overhead)
+
+
+def _train_lines(run_dir) -> dict[int, dict]:
+    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {line["step"]: line for line in lines if "train/loss" in line}
+
+
+@pytest.mark.parametrize("decided", list(DECIDED))
+def test_each_window_rate_counts_its_own_steps_only(tmp_path, monkeypatch, decided):
+    """train/samples_per_sec of a logged window is its samples over its steps' own time: evaluation,
+    checkpoints and the profiler's report between steps are not training time, and the profiled steps
+    (which the profiler's own work stretches) are left out of the rate; a window of profiled steps
+    only logs its loss and no rate at all. A fake clock: a step takes 2 s, a profiled one 5 s, a pause
+    100 s; every rate must then be 8 samples / 2 s."""
+    import types
+
+    import moetrain.train.trainer as trainer_module
+
+    clock = [0.0]
+    monkeypatch.setattr(trainer_module, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+    trainer = make_trainer(tmp_path, max_steps=12, eval_every=4, checkpoint_every=5, profile_at=6, **DECIDED[decided])
+    assert trainer.device_flags == (decided == "on the device")
+    trainer.logger_cfg.log_every = 3
+    step, evaluate, save, anatomy = trainer._train_step, trainer.evaluate, trainer.save_checkpoint, trainer._write_anatomy
+
+    def train_step():
+        clock[0] += 5.0 if 6 <= trainer.step <= 8 else 2.0
+        return step()
+
+    def paused(fn):
+        def call(*args, **kwargs):
+            clock[0] += 100.0
+            return fn(*args, **kwargs)
+        return call
+
+    monkeypatch.setattr(trainer, "_train_step", train_step)
+    monkeypatch.setattr(trainer, "evaluate", paused(evaluate))
+    monkeypatch.setattr(trainer, "save_checkpoint", paused(save))
+    monkeypatch.setattr(trainer, "_write_anatomy", paused(anatomy))
+    trainer.fit()
+    lines = _train_lines(tmp_path)
+    assert sorted(lines) == [3, 6, 9, 12]
+    assert (tmp_path / "anatomy.md").is_file()  # steps 6-8 were profiled
+    for at in (3, 6, 9, 12):  # 6: steps 4-5 timed, 6 profiled; 9: step 9 timed, 7-8 profiled
+        assert lines[at]["train/samples_per_sec"] == pytest.approx(8 / 2.0), at
+        assert math.isfinite(lines[at]["train/loss"])
+
+
+def test_a_window_of_profiled_steps_only_logs_no_rate(tmp_path):
+    trainer = make_trainer(tmp_path, max_steps=5, profile_at=2)  # log_every=1: steps 2-4 are windows of their own
+    trainer.fit()
+    lines = _train_lines(tmp_path)
+    assert sorted(lines) == [1, 2, 3, 4, 5]
+    for at in (2, 3, 4):
+        assert "train/samples_per_sec" not in lines[at] and math.isfinite(lines[at]["train/loss"])
+    assert lines[1]["train/samples_per_sec"] > 0 and lines[5]["train/samples_per_sec"] > 0
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_a_gpu_a_pause_is_not_training_time_and_its_drained_steps_are(tmp_path, monkeypatch):
+    """The host runs ahead of the GPU: the work queued before an evaluation drains while the host
+    evaluates, and the step after it starts on an idle GPU. Each step here also sleeps 50 ms on the
+    GPU and each evaluation 0.5 s on the host: every window's time per step must be the steps' own
+    (50 ms and the tiny model's few), not shortened by the drained work nor lengthened by the pause."""
+    import time
+
+    from moetrain.config import Device
+
+    cycles = int(torch.cuda.get_device_properties(0).clock_rate * 1e3 * 0.05)  # kHz -> cycles in 50 ms
+    trainer = make_trainer(tmp_path, device=Device.cuda, max_steps=12, eval_every=3)
+    trainer.logger_cfg.log_every = 3
+    step, evaluate = trainer._train_step, trainer.evaluate
+
+    def train_step():
+        torch.cuda._sleep(cycles)
+        return step()
+
+    def evaluate_slowly():
+        time.sleep(0.5)
+        return evaluate()
+
+    monkeypatch.setattr(trainer, "_train_step", train_step)
+    monkeypatch.setattr(trainer, "evaluate", evaluate_slowly)
+    trainer.fit()
+    assert trainer.device_flags  # the host reads each step a step late: the case at stake
+    lines = _train_lines(tmp_path)
+    for at in (6, 9, 12):  # (step 1's window holds the warm-up)
+        per_step = 8 / lines[at]["train/samples_per_sec"]
+        assert 0.045 < per_step < 0.075, (at, per_step)
