@@ -503,7 +503,12 @@ def test_on_a_gpu_a_pause_is_not_training_time_and_its_drained_steps_are(tmp_pat
 
     from moetrain.config import Device
 
-    cycles = int(torch.cuda.get_device_properties(0).clock_rate * 1e3 * 0.05)  # kHz -> cycles in 50 ms
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    torch.cuda._sleep(10**7)
+    end.record()
+    end.synchronize()
+    cycles = int(10**7 * 50 / start.elapsed_time(end))  # the GPU's cycles in 50 ms
     trainer = make_trainer(tmp_path, device=Device.cuda, max_steps=12, eval_every=3)
     trainer.logger_cfg.log_every = 3
     step, evaluate = trainer._train_step, trainer.evaluate
