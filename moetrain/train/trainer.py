@@ -557,18 +557,19 @@ class Trainer:
             "train/lr": self.optimizer.param_groups[0]["lr"],
             "train/grad_norm": record.grad_norm,
         })
-        seq_len = self.data.model_inputs.get("max_seq_len")
         for key in _RATE_KEYS:  # a window of profiled steps only has no rate: none, rather than the last one's
             metrics.pop(key, None)
-        if window.seconds > 0:  # the rate of the timed steps (samples of all the window's steps otherwise)
+        rate = {}
+        if window.seconds > 0:  # the rate of the window's timed steps
             metrics["train/samples_per_sec"] = samples_per_step * window.timed / window.seconds
-        if self.data.task == "language_modeling" and seq_len and window.seconds > 0:  # tokens/s, MFU (known peak)
-            throughput = training_throughput(
-                self.model, metrics["train/samples_per_sec"], seq_len, self.device, self.processes.world_size
-            )
-            metrics.update({f"train/{key}": value for key, value in throughput.items()})
+            rate = {"samples_s": f"{metrics['train/samples_per_sec']:.0f}"}
+            seq_len = self.data.model_inputs.get("max_seq_len")
+            if self.data.task == "language_modeling" and seq_len:  # tokens/s, and MFU on a GPU of known peak
+                throughput = training_throughput(
+                    self.model, metrics["train/samples_per_sec"], seq_len, self.device, self.processes.world_size
+                )
+                metrics.update({f"train/{key}": value for key, value in throughput.items()})
         if self.bar is not None:
-            rate = {"samples_s": f"{metrics['train/samples_per_sec']:.0f}"} if window.seconds > 0 else {}
             self.bar.set_postfix(loss=f"{metrics['train/loss']:.4f}", **rate, **load_postfix(window.routing))
         if self.processes.is_main:
             append_metrics(self.run_dir, step, metrics, "train/")
