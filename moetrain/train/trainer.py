@@ -142,12 +142,20 @@ def resolve_device(device: Device) -> torch.device:
 def _compile_kwargs(mode: CompileMode | None, tuned_reductions: bool) -> dict:
     """torch.compile's keyword arguments: the mode by torch's name for it; with tuned reductions, the
     inductor options that mode stands for and triton.multi_kernel (torch.compile takes a mode or
-    options, not both)."""
+    options, not both).
+
+    Tuned reductions also turn off inductor's static Triton launcher: the kernels it keeps in the
+    compile cache come back without the lock that reading a kernel's hash takes, which the tuned
+    reductions' record of their pick reads, so a second run from a warm cache failed in compiling
+    (torch 2.11). With CUDA graphs (reduce_overhead) the launcher's speed does not show."""
     if not tuned_reductions:
         return {} if mode is None else {"mode": mode.value}
     from torch._inductor import list_mode_options  # noqa: PLC0415 - inductor loads on first use
 
-    return {"options": {**list_mode_options("default" if mode is None else mode.value), "triton.multi_kernel": 1}}
+    return {"options": {**list_mode_options("default" if mode is None else mode.value), **_TUNED_REDUCTIONS}}
+
+
+_TUNED_REDUCTIONS = {"triton.multi_kernel": 1, "use_static_triton_launcher": False}
 
 
 def task_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
