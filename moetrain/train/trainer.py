@@ -155,7 +155,7 @@ def _compile_kwargs(mode: CompileMode | None, tuned_reductions: bool) -> dict:
     return {"options": {**list_mode_options("default" if mode is None else mode.value), **_TUNED_REDUCTIONS}}
 
 
-_TUNED_REDUCTIONS = {"triton.multi_kernel": 1, "use_static_triton_launcher": False}
+_TUNED_REDUCTIONS = {"triton.multi_kernel": 1, "use_static_cuda_launcher": False}
 
 
 def task_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -418,7 +418,7 @@ def test_tuned_reductions_reach_torch_compile_with_the_modes_options(tmp_path, m
     mode_options = {None: {}, "reduce_overhead": {"triton.cudagraphs": True},
                     "max_autotune": {"max_autotune": True, "triton.cudagraphs": True,
                                      "coordinate_descent_tuning": True}}
-    want = {"options": {**mode_options[mode], "triton.multi_kernel": 1, "use_static_triton_launcher": False}}
+    want = {"options": {**mode_options[mode], "triton.multi_kernel": 1, "use_static_cuda_launcher": False}}
     assert calls[:2] == [want, want]  # the model, then the loss
 
 
