@@ -313,6 +313,24 @@ def training_quantizer_rows(name: str, rows: int, dim: int, hidden: int, experts
         "128x1 tiles of x": (lambda: fp8_quantize.quantize_column_tiles(x), x.numel() * 5),
         "copy of x (scale)": (lambda: x.clone(), x.numel() * 4),
     }
+    if device.type == "cuda":
+        # SwiGLU on the gate-up output (dy's shape), plain and writing its E4M3 rows as well (the fused
+        # kernels of fp8_token_swiglu_experts): what the fusion saves is the quantizer's re-read of
+        # its output, so the fused kernels must stay near the plain ones' rate to pay.
+        from moetrain.ops import swiglu  # noqa: PLC0415
+        from moetrain.precision import kernels  # noqa: PLC0415
+
+        grad_h = torch.randn(rows, hidden, device=device, dtype=torch.bfloat16)
+        pairs = rows * hidden
+        cases.update({
+            "SwiGLU forward": (lambda: swiglu._swiglu(dy), pairs * 6),
+            "SwiGLU forward, then rows of h": (lambda: fp8_quantize.quantize_rows(swiglu._swiglu(dy)), pairs * 9),
+            "SwiGLU forward writing rows of h": (lambda: kernels.swiglu_quantize(dy), pairs * 7),
+            "SwiGLU backward": (lambda: swiglu._swiglu_backward(grad_h, dy), pairs * 10),
+            "SwiGLU backward, then its rows": (lambda: fp8_quantize.quantize_rows(swiglu._swiglu_backward(grad_h, dy)),
+                                               pairs * 16),
+            "SwiGLU backward writing its rows": (lambda: kernels.swiglu_backward_quantize(grad_h, dy), pairs * 12),
+        })
     out = []
     for quantizer, (call, nbytes) in cases.items():
         # GPU time alone (a CUDA graph of 20 calls, replayed): the step launches these kernels ahead

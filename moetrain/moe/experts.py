@@ -112,7 +112,13 @@ class Experts(nn.Module):
             return self.hidden(x_RD, counts_E, capacity)
         if part == "project":
             return self.project(x_RD, counts_E, capacity)
-        return self.project(self.hidden(x_RD, counts_E, capacity), counts_E, capacity)
+        y_RD = self.fused(x_RD, counts_E, capacity)
+        return self.project(self.hidden(x_RD, counts_E, capacity), counts_E, capacity) if y_RD is None else y_RD
+
+    def fused(self, x_RD: torch.Tensor | TokenRows, counts_E: torch.Tensor, capacity: int | None) -> torch.Tensor | None:
+        """Both parts at once where a subclass has a faster way for these rows, or None (then hidden,
+        then project). Selective checkpointing runs the parts apart and never calls it."""
+        return None
 
     def hidden(self, x_RD: torch.Tensor, counts_E: torch.Tensor, capacity: int | None) -> torch.Tensor:
         raise NotImplementedError  # pragma: no cover - interface
@@ -209,6 +215,17 @@ class SwiGLUExperts(Experts):
     def w_up(self) -> torch.Tensor:
         """[E, D, H] view of the up projection's columns of w_gate_up."""
         return swiglu.split_gate_up(self.w_gate_up)[1]
+
+    def fused(self, x_RD, counts_E, capacity):
+        """In row-wise FP8 on TokenRows, the two GEMMs and SwiGLU as the fused operators of
+        moetrain.precision.fp8_matmul.fp8_token_swiglu_experts (the same numbers); else None."""
+        if self.precision != "fp8" or type(x_RD) is not TokenRows or self.activation != "silu" or self.impl != "kernel":
+            return None
+        # Imported here: the FP8 GEMMs load Triton, which a bf16 layer never needs.
+        from moetrain.precision.fp8_matmul import fp8_token_swiglu_experts  # noqa: PLC0415
+
+        return fp8_token_swiglu_experts(x_RD.x_TD, x_RD.dest_TK, x_RD.num_rows, self.w_gate_up, self.w_down,
+                                        counts_E, capacity, x_RD.impl, self.fp8_wgrad)
 
     def hidden(self, x_RD, counts_E, capacity):
         gate_up_RH2 = self.matmul(x_RD, self.w_gate_up, counts_E, capacity)

@@ -71,9 +71,11 @@ from __future__ import annotations
 import torch
 
 from moetrain import ops
+from moetrain.ops import swiglu
 from moetrain.ops.graph import outside_the_graph
 from moetrain.ops.grouped import expert_matmul, group_ends
 from moetrain.ops.launch import on_device_of
+from moetrain.precision import kernels
 from moetrain.precision.formats import FP8_BLOCK, dequantize_fp8_blocks, dequantize_fp8_groups
 from moetrain.precision.fp8_quantize import (
     ALIGN, padded_ends, quantize_column_pair, quantize_column_tiles, quantize_row_tiles, quantize_rows, quantize_weight,
@@ -468,6 +470,146 @@ def _token_matmul_backward(ctx, dy_RN):
 
 
 _token_matmul_op.register_autograd(_token_matmul_backward, setup_context=_token_matmul_setup)
+
+
+# ---------------------------------------------------------------- SwiGLU experts, fused ("fp8")
+#
+# The routed SwiGLU experts in row-wise FP8 as two operators instead of three: the gate-up GEMM on the
+# tokens' FP8 rows with the SwiGLU activation after it, whose kernel also writes h's E4M3 rows (the
+# down GEMM's operand), and whose backward's kernel writes d(gate-up) with its E4M3 rows (the gate-up
+# dgrad's operand); then the down GEMM on h's rows so quantized. Unfused, each of those two
+# quantizations reads its bf16 rows once more (h: R x H, d(gate-up): R x 2H). The same kernels' and
+# quantizers' arithmetic: the result and every gradient are the unfused path's, bit for bit.
+
+
+def _swiglu_rows(gate_up_RN: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """h = silu(gate) * up of interleaved [R, 2H], and h's E4M3 rows and scales."""
+    if swiglu.kernel_runs(gate_up_RN, "silu"):
+        return kernels.swiglu_quantize(gate_up_RN)
+    h_RH = swiglu.reference(gate_up_RN)  # gated_activation's torch path
+    return (h_RH, *quantize_rows(h_RH))
+
+
+@torch.library.custom_op("moetrain::fp8_swiglu_backward", mutates_args=())
+def _swiglu_backward_op(grad_h_RH: torch.Tensor, gate_up_RN: torch.Tensor
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """d(gate, up) of h = silu(gate) * up, and its E4M3 rows and scales (one per row of 2H)."""
+    if swiglu.kernel_runs(gate_up_RN, "silu"):
+        return kernels.swiglu_backward_quantize(grad_h_RH, gate_up_RN)
+    # what autograd computes for reference()'s silu(gate) * up, op by op in the operands' dtype
+    gate, up = swiglu.split_gate_up(gate_up_RN)
+    grad_gate = torch.ops.aten.silu_backward(grad_h_RH * up, gate)
+    grad_RN = swiglu.interleave_gate_up(grad_gate, grad_h_RH * torch.nn.functional.silu(gate))
+    return (grad_RN, *quantize_rows(grad_RN))
+
+
+@_swiglu_backward_op.register_fake
+def _(grad_h_RH, gate_up_RN):
+    return (torch.empty_like(gate_up_RN), torch.empty_like(gate_up_RN, dtype=torch.float8_e4m3fn),
+            gate_up_RN.new_empty(gate_up_RN.size(0), dtype=torch.float32))
+
+
+@torch.library.custom_op("moetrain::fp8_grad_input_quantized", mutates_args=())
+def _grad_input_quantized_op(dyq_RN: torch.Tensor, dy_scale_R: torch.Tensor, w_EKN: torch.Tensor,
+                             counts_E: torch.Tensor) -> torch.Tensor:
+    """_grad_input ("fp8") on dy's E4M3 rows, quantized by the caller."""
+    wq_EKN, w_scale_EK = quantize_weight(w_EKN, over=2)
+    return rows_matmul(dyq_RN, dy_scale_R, wq_EKN, w_scale_EK, counts_E).contiguous()
+
+
+@_grad_input_quantized_op.register_fake
+def _(dyq_RN, dy_scale_R, w_EKN, counts_E):
+    return dyq_RN.new_empty((dyq_RN.size(0), w_EKN.size(1)), dtype=torch.bfloat16)
+
+
+@torch.library.custom_op("moetrain::fp8_token_swiglu", mutates_args=())
+def _token_swiglu_op(x_TK: torch.Tensor, w_EKN: torch.Tensor, counts_E: torch.Tensor, dest_TK: torch.Tensor,
+                     num_rows: int, wgrad: str, impl: str
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """_token_matmul_op ("fp8") on the gate-up weight, then SwiGLU -> (gate_up [R, 2H], kept for
+    backward; h [R, H]; h's E4M3 rows and scales)."""
+    xq_RK, x_scale_R = _quantized_copies("fp8", x_TK, _source_rows(dest_TK, num_rows))
+    gate_up_RN = _forward_gemm("fp8", xq_RK, x_scale_R, w_EKN, counts_E).to(x_TK.dtype).contiguous()
+    return (gate_up_RN, *_swiglu_rows(gate_up_RN))
+
+
+@_token_swiglu_op.register_fake
+def _(x_TK, w_EKN, counts_E, dest_TK, num_rows, wgrad, impl):
+    hidden = w_EKN.size(2) // 2
+    return (x_TK.new_empty((num_rows, 2 * hidden)), x_TK.new_empty((num_rows, hidden)),
+            x_TK.new_empty((num_rows, hidden), dtype=torch.float8_e4m3fn),
+            x_TK.new_empty((num_rows,), dtype=torch.float32))
+
+
+def _token_swiglu_setup(ctx, inputs, output) -> None:
+    x_TK, w_EKN, counts_E, dest_TK, num_rows, wgrad, impl = inputs
+    ctx.save_for_backward(x_TK, w_EKN, counts_E, dest_TK, output[0])
+    ctx.num_rows, ctx.wgrad, ctx.impl = num_rows, wgrad, impl
+
+
+def _token_swiglu_backward(ctx, _grad_gate_up, grad_h_RH, _grad_hq, _grad_h_scale):
+    # gate_up is an output only to be kept for backward: nothing downstream reads it.
+    x_TK, w_EKN, counts_E, dest_TK, gate_up_RN = ctx.saved_tensors
+    grad_RN, gradq_RN, grad_scale_R = _swiglu_backward_op(grad_h_RH.contiguous(), gate_up_RN)
+    grad_x = grad_w = None
+    if ctx.needs_input_grad[0]:
+        dx_RK = _grad_input_quantized_op(gradq_RN, grad_scale_R, w_EKN, counts_E).to(x_TK.dtype)
+        grad_x = ops.sum_copies(dx_RK, dest_TK, ctx.impl)
+    if ctx.needs_input_grad[1]:
+        x_RK = ops.dispatch(x_TK, dest_TK, ctx.num_rows, impl=ctx.impl)
+        grad_w = _grad_weight_op(x_RK, grad_RN, counts_E, "fp8", ctx.wgrad).to(w_EKN.dtype)
+    return grad_x, grad_w, None, None, None, None, None
+
+
+_token_swiglu_op.register_autograd(_token_swiglu_backward, setup_context=_token_swiglu_setup)
+
+
+@torch.library.custom_op("moetrain::fp8_quantized_rows_matmul", mutates_args=())
+def _quantized_rows_matmul_op(x_RK: torch.Tensor, xq_RK: torch.Tensor, x_scale_R: torch.Tensor, w_EKN: torch.Tensor,
+                              counts_E: torch.Tensor, wgrad: str) -> torch.Tensor:
+    """_expert_matmul_op ("fp8") on x's E4M3 rows, quantized by the caller; x is kept for the weight
+    gradient."""
+    return _forward_gemm("fp8", xq_RK, x_scale_R, w_EKN, counts_E).to(x_RK.dtype).contiguous()
+
+
+@_quantized_rows_matmul_op.register_fake
+def _(x_RK, xq_RK, x_scale_R, w_EKN, counts_E, wgrad):
+    return x_RK.new_empty((x_RK.size(0), w_EKN.size(2)))
+
+
+def _quantized_rows_matmul_setup(ctx, inputs, output) -> None:
+    x_RK, _, _, w_EKN, counts_E, wgrad = inputs
+    ctx.save_for_backward(x_RK, w_EKN, counts_E)
+    ctx.wgrad = wgrad
+
+
+def _quantized_rows_matmul_backward(ctx, dy_RN):
+    x_RK, w_EKN, counts_E = ctx.saved_tensors
+    dy_RN = dy_RN.contiguous()
+    grad_x = grad_w = None
+    if ctx.needs_input_grad[0]:
+        grad_x = _grad_input_op(dy_RN, w_EKN, counts_E, "fp8").to(x_RK.dtype)
+    if ctx.needs_input_grad[3]:
+        grad_w = _grad_weight_op(x_RK, dy_RN, counts_E, "fp8", ctx.wgrad).to(w_EKN.dtype)
+    return grad_x, None, None, grad_w, None, None
+
+
+_quantized_rows_matmul_op.register_autograd(_quantized_rows_matmul_backward, setup_context=_quantized_rows_matmul_setup)
+
+
+def fp8_token_swiglu_experts(x_TK: torch.Tensor, dest_TK: torch.Tensor, num_rows: int, w_gate_up_EDN: torch.Tensor,
+                             w_down_EHD: torch.Tensor, counts_E: torch.Tensor | list[int], capacity: int | None,
+                             impl: str = "kernel", wgrad: str = "bf16") -> torch.Tensor:
+    """The routed SwiGLU experts (gate and up interleaved in w_gate_up, moetrain.ops.swiglu; SiLU) on
+    the rows dispatch would make of x_TK, in row-wise FP8 ("fp8"): fp8_token_matmul with the gate-up
+    weight, gated_activation, fp8_expert_matmul with the down weight, with the SwiGLU kernels writing
+    the E4M3 rows the next GEMM reads (see above). The same output and gradients bit for bit, [R, D]."""
+    counts_E = _fp8_counts("fp8", wgrad, x_TK.device, w_gate_up_EDN.size(0), num_rows, counts_E, capacity)
+    x_TK = _autocast_input(x_TK)
+    with torch.autocast(x_TK.device.type, enabled=False):
+        _, h_RH, hq_RH, h_scale_R = _token_swiglu_op(x_TK.contiguous(), w_gate_up_EDN, counts_E, dest_TK.contiguous(),
+                                                     num_rows, wgrad, impl)
+        return _quantized_rows_matmul_op(h_RH, hq_RH, h_scale_R, w_down_EHD, counts_E, wgrad)
 
 
 def _padded_rows(counts_E: torch.Tensor, num_rows: int) -> int:

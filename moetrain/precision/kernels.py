@@ -92,6 +92,135 @@ if triton is not None:
         tl.store(scale_ptr + row_I * stride_s + group_I, scale_I, mask=(row_I < R) & (group_I * GROUP < K))
 
     @triton.jit
+    def _swiglu_pairs(gate_up_ptr, row_I, c0, R, H, CHUNK: tl.constexpr):
+        """The [ROWS, CHUNK] pairs (gate, up) of interleaved gate_up at rows row_I, pairs c0 to
+        c0 + CHUNK, in fp32; with the [ROWS, 2 * CHUNK] offsets and mask of their values, and the mask
+        of the pairs (rows and columns in range). Loaded as flat rows, so that each thread reads runs of
+        adjacent values (vector loads), then split into gate and up in registers."""
+        mask_IC = (row_I[:, None] < R) & (c0 + tl.arange(0, CHUNK)[None, :] < H)
+        flat_F = 2 * c0 + tl.arange(0, 2 * CHUNK)
+        mask_IF = (row_I[:, None] < R) & (flat_F[None, :] < 2 * H)
+        at_IF = row_I[:, None] * (2 * H) + flat_F[None, :]
+        gu_IF = tl.load(gate_up_ptr + at_IF, mask=mask_IF, other=0.0).to(tl.float32)
+        gate, up = tl.split(tl.reshape(gu_IF, [row_I.shape[0], CHUNK, 2]))
+        return gate, up, at_IF, mask_IF, mask_IC
+
+    @triton.jit
+    def _magnitudes(x_IC, mask_IC):
+        """|x| where x is finite and in range, else 0; and 1 where x is finite or out of range, else 0
+        (the two running tiles a row's scale is taken from: _row_scale)."""
+        ok_IC = tl.abs(x_IC) < float("inf")  # False for +-Inf and NaN
+        return tl.where(ok_IC & mask_IC, tl.abs(x_IC), 0.0), tl.where(mask_IC, ok_IC, True).to(tl.int32)
+
+    @triton.jit
+    def _row_scale(amax_IC, finite_IC):
+        """formats.fp8_scale of each row of the running tiles of _magnitudes -> [ROWS, 1]."""
+        return _fp8_scale(tl.max(amax_IC, axis=1), tl.min(finite_IC, axis=1) == 1)[:, None]
+
+    @triton.jit
+    def _swiglu_h(gate_up_ptr, row_I, c0, R, H, CHUNK: tl.constexpr, dtype: tl.constexpr):
+        """h = silu(gate) * up at [ROWS, CHUNK] pairs from c0 as moetrain.ops.swiglu's kernel computes it
+        (fp32, rounded once to dtype), and the mask of those in range."""
+        gate, up, _, _, mask_IC = _swiglu_pairs(gate_up_ptr, row_I, c0, R, H, CHUNK)
+        return (gate * tl.sigmoid(gate) * up).to(dtype), mask_IC
+
+    @triton.jit
+    def _store_h_and_codes(h_ptr, q_ptr, row_I, c0, H, h_IC, mask_IC, scale_I1, CHUNK: tl.constexpr):
+        at_IC = row_I[:, None] * H + (c0 + tl.arange(0, CHUNK))[None, :]
+        tl.store(h_ptr + at_IC, h_IC, mask=mask_IC)
+        codes_IC = _e4m3_codes(h_IC.to(tl.float32), tl.broadcast_to(scale_I1, h_IC.shape))
+        tl.store(q_ptr + at_IC, codes_IC.to(tl.uint8, bitcast=True), mask=mask_IC)
+
+    @triton.jit
+    def _swiglu_quantize_kernel(gate_up_ptr, h_ptr, q_ptr, scale_ptr, R, H, ROWS: tl.constexpr, CHUNK: tl.constexpr,
+                                ONE_PASS: tl.constexpr):
+        # ROWS rows a program. ONE_PASS (CHUNK >= H): the rows are held whole, h computed once, its
+        # row maxima taken and h written with its E4M3 codes. Else the rows are walked CHUNK pairs at a
+        # time, twice: the first pass takes the rows' largest magnitudes, the second computes h again
+        # from gate_up (its slice of the rows is in L2 by then) and writes h and its codes. Either way
+        # the SwiGLU kernel and the row quantizer, with h never read back.
+        row_I = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+        dtype = h_ptr.dtype.element_ty
+        if ONE_PASS:
+            h_IC, mask_IC = _swiglu_h(gate_up_ptr, row_I, 0, R, H, CHUNK, dtype)
+            amax_IC, finite_IC = _magnitudes(h_IC.to(tl.float32), mask_IC)
+            scale_I1 = _row_scale(amax_IC, finite_IC)
+            _store_h_and_codes(h_ptr, q_ptr, row_I, 0, H, h_IC, mask_IC, scale_I1, CHUNK)
+        else:
+            amax_IC = tl.zeros([ROWS, CHUNK], tl.float32)
+            finite_IC = tl.full([ROWS, CHUNK], 1, tl.int32)
+            for c0 in range(0, H, CHUNK):
+                h_IC, mask_IC = _swiglu_h(gate_up_ptr, row_I, c0, R, H, CHUNK, dtype)
+                magnitude_IC, ok_IC = _magnitudes(h_IC.to(tl.float32), mask_IC)
+                amax_IC, finite_IC = tl.maximum(amax_IC, magnitude_IC), tl.minimum(finite_IC, ok_IC)
+            scale_I1 = _row_scale(amax_IC, finite_IC)
+            for c0 in range(0, H, CHUNK):
+                h_IC, mask_IC = _swiglu_h(gate_up_ptr, row_I, c0, R, H, CHUNK, dtype)
+                _store_h_and_codes(h_ptr, q_ptr, row_I, c0, H, h_IC, mask_IC, scale_I1, CHUNK)
+        tl.store(scale_ptr + row_I[:, None], scale_I1, mask=row_I[:, None] < R)
+
+    @triton.jit
+    def _swiglu_gradients(grad_h_ptr, gate_up_ptr, row_I, c0, R, H, CHUNK: tl.constexpr, dtype: tl.constexpr):
+        """d(gate) and d(up) of h = silu(gate) * up at [ROWS, CHUNK] pairs from c0, as moetrain.ops.swiglu's
+        backward kernel computes them (fp32, rounded once to dtype), with the flat offsets and mask of
+        the pairs' values and the pairs' mask (_swiglu_pairs)."""
+        gate, up, at_IF, mask_IF, mask_IC = _swiglu_pairs(gate_up_ptr, row_I, c0, R, H, CHUNK)
+        col_C = c0 + tl.arange(0, CHUNK)
+        grad_h = tl.load(grad_h_ptr + row_I[:, None] * H + col_C[None, :], mask=mask_IC, other=0.0).to(tl.float32)
+        sig = tl.sigmoid(gate)
+        grad_up = grad_h * gate * sig
+        # d silu(g) / dg = sig(g) * (1 + g * (1 - sig(g))), as the backward kernel writes it
+        grad_gate = grad_h * up * sig * (1.0 + gate * (1.0 - sig))
+        return grad_gate.to(dtype), grad_up.to(dtype), at_IF, mask_IF, mask_IC
+
+    @triton.jit
+    def _pair_magnitudes(d_gate, d_up, mask_IC):
+        """_magnitudes of both values of each pair, the larger magnitude and both finite."""
+        gate_IC, gate_ok_IC = _magnitudes(d_gate.to(tl.float32), mask_IC)
+        up_IC, up_ok_IC = _magnitudes(d_up.to(tl.float32), mask_IC)
+        return tl.maximum(gate_IC, up_IC), tl.minimum(gate_ok_IC, up_ok_IC)
+
+    @triton.jit
+    def _store_pairs_and_codes(grad_ptr, q_ptr, d_gate, d_up, at_IF, mask_IF, scale_I1, ROWS: tl.constexpr,
+                               CHUNK: tl.constexpr):
+        """d(gate) and d(up) interleaved again as flat rows (adjacent values in a thread: vector stores),
+        and their E4M3 codes."""
+        scale_IC = tl.broadcast_to(scale_I1, d_gate.shape)
+        q_IC2 = tl.join(_e4m3_codes(d_gate.to(tl.float32), scale_IC), _e4m3_codes(d_up.to(tl.float32), scale_IC))
+        flat: tl.constexpr = [ROWS, 2 * CHUNK]
+        tl.store(grad_ptr + at_IF, tl.reshape(tl.join(d_gate, d_up), flat), mask=mask_IF)
+        tl.store(q_ptr + at_IF, tl.reshape(q_IC2.to(tl.uint8, bitcast=True), flat), mask=mask_IF)
+
+    @triton.jit
+    def _swiglu_backward_quantize_kernel(grad_h_ptr, gate_up_ptr, grad_ptr, q_ptr, scale_ptr, R, H,
+                                         ROWS: tl.constexpr, CHUNK: tl.constexpr, ONE_PASS: tl.constexpr):
+        # ROWS rows a program; the row's 2H gradient values (d(gate), d(up), rounded to grad's dtype)
+        # under one scale, stored interleaved with their E4M3 codes. ONE_PASS (CHUNK >= H): the rows
+        # held whole, computed once; else walked CHUNK pairs at a time, twice (the largest magnitudes,
+        # then the same values computed again and written), as in _swiglu_quantize_kernel.
+        row_I = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+        dtype = grad_ptr.dtype.element_ty
+        if ONE_PASS:
+            d_gate, d_up, at_IF, mask_IF, mask_IC = _swiglu_gradients(grad_h_ptr, gate_up_ptr, row_I, 0, R, H, CHUNK,
+                                                                      dtype)
+            amax_IC, finite_IC = _pair_magnitudes(d_gate, d_up, mask_IC)
+            scale_I1 = _row_scale(amax_IC, finite_IC)
+            _store_pairs_and_codes(grad_ptr, q_ptr, d_gate, d_up, at_IF, mask_IF, scale_I1, ROWS, CHUNK)
+        else:
+            amax_IC = tl.zeros([ROWS, CHUNK], tl.float32)
+            finite_IC = tl.full([ROWS, CHUNK], 1, tl.int32)
+            for c0 in range(0, H, CHUNK):
+                d_gate, d_up, _, _, mask_IC = _swiglu_gradients(grad_h_ptr, gate_up_ptr, row_I, c0, R, H, CHUNK, dtype)
+                magnitude_IC, ok_IC = _pair_magnitudes(d_gate, d_up, mask_IC)
+                amax_IC, finite_IC = tl.maximum(amax_IC, magnitude_IC), tl.minimum(finite_IC, ok_IC)
+            scale_I1 = _row_scale(amax_IC, finite_IC)
+            for c0 in range(0, H, CHUNK):
+                d_gate, d_up, at_IF, mask_IF, _ = _swiglu_gradients(grad_h_ptr, gate_up_ptr, row_I, c0, R, H, CHUNK,
+                                                                    dtype)
+                _store_pairs_and_codes(grad_ptr, q_ptr, d_gate, d_up, at_IF, mask_IF, scale_I1, ROWS, CHUNK)
+        tl.store(scale_ptr + row_I[:, None], scale_I1, mask=row_I[:, None] < R)
+
+    @triton.jit
     def _decode_e2m1_pairs(packed):
         """Bytes of two E2M1 codes (uint32, element 2i in the low nibble) -> 2^-14 times the values
         of both codes, as fp32 tensors (low, high). A code's exponent and mantissa bits, moved to the
@@ -275,6 +404,50 @@ def quantize_fp8(x_RK: torch.Tensor, group: int, up_RK: torch.Tensor | None = No
         num_warps=QUANTIZE_WARPS,
     )
     return q_RK.view(torch.float8_e4m3fn), scale_RB
+
+
+# The SwiGLU quantizing kernels' tile: pairs a program holds at a time (a whole row, several short
+# rows, or a slice of a row wider than this, which is then walked twice), and their warps.
+SWIGLU_CHUNK, SWIGLU_WARPS = 2048, 8
+
+
+def _swiglu_tile(hidden: int) -> tuple[int, int, bool]:
+    """(rows a program, pairs of a row per slice, whether one slice holds the whole row) for the
+    SwiGLU quantizing kernels."""
+    chunk = min(SWIGLU_CHUNK, triton.next_power_of_2(max(1, hidden)))
+    return max(1, SWIGLU_CHUNK // chunk), chunk, chunk >= hidden
+
+
+def swiglu_quantize(gate_up_RN: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """h = silu(gate) * up of interleaved [R, 2H] (moetrain.ops.swiglu's kernel, bit for bit) -> (h [R, H]
+    in gate_up's dtype, its E4M3 values [R, H], fp32 scales [R]: quantize_fp8(h, H) bit for bit)."""
+    rows, hidden = gate_up_RN.size(0), gate_up_RN.size(1) // 2
+    h = gate_up_RN.new_empty(rows, hidden)
+    q = torch.empty(rows, hidden, dtype=torch.uint8, device=gate_up_RN.device)
+    scale = torch.empty(rows, dtype=torch.float32, device=gate_up_RN.device)
+    if rows:
+        rows_each, chunk, one_pass = _swiglu_tile(hidden)
+        _swiglu_quantize_kernel[(triton.cdiv(rows, rows_each),)](
+            gate_up_RN, h, q, scale, rows, hidden, ROWS=rows_each, CHUNK=chunk, ONE_PASS=one_pass,
+            num_warps=SWIGLU_WARPS)
+    return h, q.view(torch.float8_e4m3fn), scale
+
+
+def swiglu_backward_quantize(grad_h_RH: torch.Tensor, gate_up_RN: torch.Tensor
+                             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """d(gate, up) of h = silu(gate) * up (moetrain.ops.swiglu's backward kernel, bit for bit) -> (the
+    gradient [R, 2H] interleaved in gate_up's dtype, its E4M3 values [R, 2H], fp32 scales [R]: one per
+    row of 2H, quantize_fp8(grad, 2H) bit for bit)."""
+    rows, hidden = gate_up_RN.size(0), gate_up_RN.size(1) // 2
+    grad = torch.empty_like(gate_up_RN)
+    q = torch.empty(rows, 2 * hidden, dtype=torch.uint8, device=gate_up_RN.device)
+    scale = torch.empty(rows, dtype=torch.float32, device=gate_up_RN.device)
+    if rows:
+        rows_each, chunk, one_pass = _swiglu_tile(hidden)
+        _swiglu_backward_quantize_kernel[(triton.cdiv(rows, rows_each),)](
+            grad_h_RH, gate_up_RN, grad, q, scale, rows, hidden, ROWS=rows_each, CHUNK=chunk, ONE_PASS=one_pass,
+            num_warps=SWIGLU_WARPS)
+    return grad, q.view(torch.float8_e4m3fn), scale
 
 
 def default_tiles(fmt: WeightFormat, rows_per_expert: float) -> tuple[int, int, int, int, int]:

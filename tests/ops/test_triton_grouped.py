@@ -10,7 +10,6 @@ by compiling the kernels for sm_90 on the CPU.
 from __future__ import annotations
 
 import os
-import re
 import subprocess
 import sys
 from pathlib import Path
@@ -146,28 +145,14 @@ def test_kernels_in_the_interpreter():
     assert result.returncode == 0 and result.stdout.strip() == "ok", result.stdout[-2000:] + result.stderr[-4000:]
 
 
-def _assert_no_spills(ptx: str, tmp_path: Path, what) -> None:
-    """ptxas -v (Triton's own, when it ships one) reports no register spills for sm_90a."""
-    import triton
-
-    ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
-    if ptxas.exists():
-        path = tmp_path / "kernel.ptx"
-        path.write_text(ptx)
-        report = subprocess.run([str(ptxas), "-arch=sm_90a", "-v", str(path), "-o", os.devnull],
-                                capture_output=True, text=True).stderr
-        assert re.search(r"\b0 bytes spill stores", report), (what, report)
-
-
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CUDA tests compile the kernels there")
 def test_kernels_compile_for_hopper(tmp_path):
     """Compiled for sm_90 by Triton on this CPU at the default tiles of a large GEMM, with aligned
     operands in FP8's fast layout (as the launches specialise them): warp-group MMAs (on E4M3 for
     FP8), pipelined asynchronous copies in the reduction loops, and (ptxas -v) no register spills."""
-    triton = pytest.importorskip("triton")
+    pytest.importorskip("triton")
     pytest.importorskip("triton.backends.nvidia")
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
+    from hopper_ptx import assert_no_spills, compile_ptx
 
     pointers = {"a_ptr": "", "b_ptr": "", "c_ptr": "*bf16", "sa_ptr": "*fp32", "sb_ptr": "*fp32", "ends_ptr": "*i32"}
     ints = {"mm": "N K M_TILES E stride_am stride_be stride_bn stride_cm stride_sam stride_sak stride_sbe stride_sbk "
@@ -185,14 +170,11 @@ def test_kernels_compile_for_hopper(tmp_path):
                          **{key: config[key] for key in ("BLOCK_M", "BLOCK_N", "BLOCK_K")})
         if kind == "mm":
             constants.update(E_P2=128, EVEN_K=True)
-        source = ASTSource(fn=fn, signature={**types, **dict.fromkeys(constants, "constexpr")}, constexprs=constants,
-                           attrs={(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name in types})
-        ptx = triton.compile(source, target=GPUTarget("cuda", 90, 32),
-                             options=dict(num_warps=config["num_warps"], num_stages=config["num_stages"])).asm["ptx"]
+        ptx = compile_ptx(fn, types, constants, config["num_warps"], config["num_stages"])
         what = (kind, dtype, scaling)
         assert "wgmma.mma_async" in ptx and "cp.async.cg.shared.global" in ptx, what
         assert ("e4m3" in ptx) == (dtype == tg.FP8), what
-        _assert_no_spills(ptx, tmp_path, what)
+        assert_no_spills(ptx, tmp_path, what)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CUDA tests compile the kernels there")
@@ -200,12 +182,11 @@ def test_tma_kernel_compiles_for_hopper(tmp_path):
     """grouped_mm's TMA kernel, compiled for sm_90 on this CPU at FP8's default tiles, one program a
     tile and persistent: tensor-memory copies (cp.async.bulk.tensor) feeding E4M3 warp-group MMAs,
     and (ptxas -v) no register spills."""
-    triton = pytest.importorskip("triton")
+    pytest.importorskip("triton")
     pytest.importorskip("triton.backends.nvidia")
     if tg.TensorDescriptor is None:
         pytest.skip("this Triton has no host tensor descriptors")
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
+    from hopper_ptx import assert_no_spills, compile_ptx
 
     fn = tg._grouped_mm_tma_kernel
     config = tg.default_config(tg.FP8, 4096, 1024)
@@ -217,13 +198,9 @@ def test_tma_kernel_compiles_for_hopper(tmp_path):
     for persistent in (False, True):
         constants = dict(stride_cn=1, stride_sbn=1, SCALING=1, PRECISION="tf32", E_P2=8, BLOCK_M=block_m,
                          BLOCK_N=block_n, BLOCK_K=block_k, GROUP=config["GROUP"], PERSISTENT=persistent)
-        source = ASTSource(fn=fn, signature={**types, **dict.fromkeys(constants, "constexpr")}, constexprs=constants,
-                           attrs={(fn.arg_names.index(name),): [["tt.divisibility", 16]]
-                                  for name in types if not name.endswith("desc")})
-        ptx = triton.compile(source, target=GPUTarget("cuda", 90, 32),
-                             options=dict(num_warps=config["num_warps"], num_stages=config["num_stages"])).asm["ptx"]
+        ptx = compile_ptx(fn, types, constants, config["num_warps"], config["num_stages"])
         assert "cp.async.bulk.tensor" in ptx and "wgmma.mma_async" in ptx and "e4m3" in ptx, persistent
-        _assert_no_spills(ptx, tmp_path, persistent)
+        assert_no_spills(ptx, tmp_path, persistent)
 
 
 def test_bad_arguments_are_refused():

@@ -13,6 +13,7 @@ layer in full precision within the bound E4M3's 3-bit mantissa allows. On a GPU 
 
 import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -22,7 +23,7 @@ import torch
 
 from moetrain import MoELayer
 from moetrain.moe.routing import make_plan
-from moetrain.precision import fp8_matmul, fp8_quantize
+from moetrain.precision import fp8_matmul, fp8_quantize, kernels
 from moetrain.precision.formats import FORMATS, dequantize_fp8_groups, quantize_fp8_groups
 from moetrain.precision.fp8_matmul import fp8_supported
 
@@ -183,6 +184,26 @@ def quantizer_interpreter_checks() -> None:
         nan = torch.zeros(got_scale.shape, dtype=torch.bool)
         nan[1, -1, -1] = True
         assert torch.equal(got_scale.isnan(), nan), (k, n)
+    # The SwiGLU kernels that quantize what they write: bit for bit moetrain.ops.swiglu's kernels
+    # followed by the row quantizer (all run by the interpreter), odd widths, a zero row, no rows.
+    from moetrain.ops import swiglu
+
+    # (the last width: three slices of a row, the third ragged)
+    for rows, hidden in ((5, 48), (3, 100), (1, 4), (0, 8), (7, 64), (3, 2 * kernels.SWIGLU_CHUNK + 5)):
+        gate_up = (torch.randn(rows, 2 * hidden) * 3).to(torch.bfloat16)
+        if rows > 2:
+            gate_up[2] = 0
+        grad_h = torch.randn(rows, hidden).to(torch.bfloat16)
+        h, grad = torch.empty(rows, hidden, dtype=torch.bfloat16), torch.empty_like(gate_up)
+        if rows:
+            grid = swiglu._grid(rows * hidden)
+            swiglu._swiglu_forward_kernel[grid](gate_up, h, rows * hidden, BLOCK=swiglu._PAIRS_PER_PROGRAM)
+            swiglu._swiglu_backward_kernel[grid](grad_h, gate_up, grad, rows * hidden, BLOCK=swiglu._PAIRS_PER_PROGRAM)
+        for got, want in ((kernels.swiglu_quantize(gate_up), (h, *kernels.quantize_fp8(h, hidden))),
+                          (kernels.swiglu_backward_quantize(grad_h, gate_up), (grad, *kernels.quantize_fp8(grad, 2 * hidden)))):
+            assert torch.equal(got[0], want[0]), (rows, hidden)
+            assert torch.equal(got[1].view(torch.uint8), want[1].view(torch.uint8)), (rows, hidden)
+            assert torch.equal(got[2], want[2].view(-1)), (rows, hidden)
     # The token path's row gather (moetrain::fp8_gather_rows on CUDA): each row from a naive loop,
     # the pad where the source is one past the table; E4M3 rows of odd and multi-block widths, 1-D
     # and 2-D scales (fp8's rows, fp8_block's tiles), an empty table, no rows.
@@ -223,6 +244,27 @@ def test_quantizers_in_the_interpreter():
     result = subprocess.run([sys.executable, "-c", command], cwd=Path(__file__).resolve().parents[2],
                             env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0 and result.stdout.strip() == "ok", result.stdout[-2000:] + result.stderr[-4000:]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CUDA tests run the kernels there")
+def test_swiglu_quantizing_kernels_compile_for_hopper(tmp_path):
+    """The SwiGLU quantizing kernels as they launch on moe_1b5's rows (2048 pairs, one pass), compiled
+    for sm_90 on this CPU: the rows read and written with 16-byte vector accesses (each thread a run
+    of adjacent values, not one interleaved pair), and (ptxas -v) no register spills."""
+    pytest.importorskip("triton")
+    pytest.importorskip("triton.backends.nvidia")
+    from hopper_ptx import assert_no_spills, compile_ptx
+
+    rows_each, chunk, one_pass = kernels._swiglu_tile(2048)
+    assert one_pass and rows_each * chunk == kernels.SWIGLU_CHUNK
+    rows = {"R": "i32", "H": "i32", "q_ptr": "*u8", "scale_ptr": "*fp32", "gate_up_ptr": "*bf16"}
+    for fn, types in ((kernels._swiglu_quantize_kernel, {**rows, "h_ptr": "*bf16"}),
+                      (kernels._swiglu_backward_quantize_kernel, {**rows, "grad_h_ptr": "*bf16", "grad_ptr": "*bf16"})):
+        types = {name: types[name] for name in fn.arg_names if name in types}
+        ptx = compile_ptx(fn, types, dict(ROWS=rows_each, CHUNK=chunk, ONE_PASS=one_pass), kernels.SWIGLU_WARPS)
+        assert "ld.global.v4.b32" in ptx and "st.global.v4.b32" in ptx, fn.__name__
+        assert not re.search(r"ld\.global(\.nc)?\.b32", ptx), fn.__name__  # no scalar loads of pairs
+        assert_no_spills(ptx, tmp_path, fn.__name__)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -477,7 +519,9 @@ def test_tokens_quantized_once_give_the_dispatched_rows_result(device, precision
     same bit for bit as with the dispatched rows, in the packed layout, the padded one (rows no
     token fills) and the capped one (dropped choices), with moetrain's kernels and in pure torch,
     with the weight gradient in bf16 or in FP8 (where rows no token fills reach the next GEMM's
-    per-expert column scales)."""
+    per-expert column scales). Row-wise FP8 SwiGLU experts with kernels take the fused operators
+    (fp8_token_swiglu_experts: the SwiGLU kernels write the next GEMM's E4M3 rows), the same numbers
+    again as the unfused GEMMs and activation on the dispatched rows."""
     _skip_unless_supported(device, precision)
     _, layer = _layer_pair(device, expert, capacity_factor, seed=7, precision=precision)
     layer.fp8_wgrad = fp8_wgrad
@@ -487,6 +531,9 @@ def test_tokens_quantized_once_give_the_dispatched_rows_result(device, precision
     token_calls = []
     token_matmul = fp8_matmul.fp8_token_matmul
     monkeypatch.setattr(fp8_matmul, "fp8_token_matmul", lambda *a: token_calls.append(1) or token_matmul(*a))
+    fused_calls = []
+    fused = fp8_matmul.fp8_token_swiglu_experts
+    monkeypatch.setattr(fp8_matmul, "fp8_token_swiglu_experts", lambda *a: fused_calls.append(1) or fused(*a))
     results = []
     for gathers in (True, False):
         monkeypatch.setattr(type(layer), "_first_gemm_gathers", lambda self, *args, gathers=gathers: gathers)
@@ -495,7 +542,9 @@ def test_tokens_quantized_once_give_the_dispatched_rows_result(device, precision
         (y.float() * probe).sum().backward()
         results.append([y, xi.grad] + [p.grad.clone() for p in layer.parameters()])
         layer.zero_grad(set_to_none=True)
-    assert len(token_calls) == 1  # the first GEMM of the first pass only
+    # the first GEMM of the first pass only, or the fused experts in its place
+    fuses = expert == "swiglu" and precision == "fp8" and impl == "kernel"
+    assert (len(fused_calls), len(token_calls)) == ((1, 0) if fuses else (0, 1))
     if capacity_factor < 0:
         assert layer.stats.dropped_fraction > 0
     for got, want in zip(*results, strict=True):
@@ -522,6 +571,34 @@ def test_the_row_gather_op_against_a_loop(device):
     torch.library.opcheck(op, (table, source, 0.0),
                           test_utils=("test_faketensor", "test_autograd_registration", "test_aot_dispatch_dynamic"))
     torch.library.opcheck(op, (scales, source, 1.0))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_fused_swiglu_operators_register_their_shapes_and_gradients(device):
+    """The fused SwiGLU experts' operators (fp8_token_swiglu_experts) pass torch.library.opcheck: their
+    fake (shape-only) versions match what they return, and their autograd registration is complete,
+    which torch.compile relies on to keep them whole in the graph."""
+    _skip_unless_supported(device, "fp8")
+    generator = torch.Generator().manual_seed(5)
+    tokens, dim, hidden, experts, top_k = 12, 32, 16, 3, 2
+    x = torch.randn(tokens, dim, generator=generator).to(device, torch.bfloat16).requires_grad_()
+    w_gate_up = torch.randn(experts, dim, 2 * hidden, generator=generator).to(device).requires_grad_()
+    w_down = torch.randn(experts, hidden, dim, generator=generator).to(device).requires_grad_()
+    dest = torch.randperm(tokens * top_k, generator=generator).view(tokens, top_k).to(device)
+    counts = torch.tensor([10, 0, 14], device=device)
+    utils = ("test_faketensor", "test_autograd_registration")
+    torch.library.opcheck(torch.ops.moetrain.fp8_token_swiglu.default,
+                          (x, w_gate_up, counts, dest, tokens * top_k, "bf16", "kernel"), test_utils=utils)
+    gate_up = torch.randn(tokens * top_k, 2 * hidden, generator=generator).to(device, torch.bfloat16)
+    grad_h = torch.randn(tokens * top_k, hidden, generator=generator).to(device, torch.bfloat16)
+    torch.library.opcheck(torch.ops.moetrain.fp8_swiglu_backward.default, (grad_h, gate_up), test_utils=utils)
+    h = grad_h.clone().requires_grad_()
+    hq, h_scale = fp8_quantize.quantize_rows(h.detach())
+    torch.library.opcheck(torch.ops.moetrain.fp8_quantized_rows_matmul.default,
+                          (h, hq, h_scale, w_down, counts, "bf16"), test_utils=utils)
+    dyq, dy_scale = fp8_quantize.quantize_rows(gate_up)
+    torch.library.opcheck(torch.ops.moetrain.fp8_grad_input_quantized.default, (dyq, dy_scale, w_gate_up, counts),
+                          test_utils=utils)
 
 
 def test_the_layer_gathers_tokens_in_fp8_only_where_its_experts_and_layout_allow():
