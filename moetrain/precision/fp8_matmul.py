@@ -252,8 +252,14 @@ def _grad_input(precision: str, dy_RN: torch.Tensor, w_EKN: torch.Tensor, counts
         # the second operand is w[e].T [N, K], N (its reduction dim) contiguous
         return block_rows_matmul(dyq_RN, dy_scale, wq_EKN.transpose(1, 2), w_scale_EKbNb.transpose(1, 2).contiguous(),
                                  counts_E)
+    return _grad_input_rows(dyq_RN, dy_scale, w_EKN, counts_E)
+
+
+def _grad_input_rows(dyq_RN: torch.Tensor, dy_scale_R: torch.Tensor, w_EKN: torch.Tensor,
+                     counts_E: torch.Tensor) -> torch.Tensor:
+    """_grad_input ("fp8") on dy's E4M3 rows and scales."""
     wq_EKN, w_scale_EK = quantize_weight(w_EKN, over=2)
-    return rows_matmul(dyq_RN, dy_scale, wq_EKN, w_scale_EK, counts_E)
+    return rows_matmul(dyq_RN, dy_scale_R, wq_EKN, w_scale_EK, counts_E)
 
 
 def bf16_weight_grad(x_RK: torch.Tensor, dy_RN: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
@@ -338,14 +344,18 @@ def _expert_matmul_setup(ctx, inputs, output) -> None:
     ctx.precision, ctx.wgrad = precision, wgrad
 
 
+def _matmul_grads(dy_RN: torch.Tensor, x_RK: torch.Tensor, w_EKN: torch.Tensor, counts_E: torch.Tensor,
+                  precision: str, wgrad: str, need_x: bool, need_w: bool) -> tuple[torch.Tensor | None, ...]:
+    """(dx, dw) of y = x w[e] over each expert's rows, None where not needed."""
+    dy_RN = dy_RN.contiguous()
+    grad_x = _grad_input_op(dy_RN, w_EKN, counts_E, precision).to(x_RK.dtype) if need_x else None
+    grad_w = _grad_weight_op(x_RK, dy_RN, counts_E, precision, wgrad).to(w_EKN.dtype) if need_w else None
+    return grad_x, grad_w
+
+
 def _expert_matmul_backward(ctx, dy_RN):
     x_RK, w_EKN, counts_E = ctx.saved_tensors
-    dy_RN = dy_RN.contiguous()
-    grad_x = grad_w = None
-    if ctx.needs_input_grad[0]:
-        grad_x = _grad_input_op(dy_RN, w_EKN, counts_E, ctx.precision).to(x_RK.dtype)
-    if ctx.needs_input_grad[1]:
-        grad_w = _grad_weight_op(x_RK, dy_RN, counts_E, ctx.precision, ctx.wgrad).to(w_EKN.dtype)
+    grad_x, grad_w = _matmul_grads(dy_RN, x_RK, w_EKN, counts_E, ctx.precision, ctx.wgrad, *ctx.needs_input_grad[:2])
     return grad_x, grad_w, None, None, None
 
 
@@ -441,6 +451,12 @@ def _token_matmul_op(x_TK: torch.Tensor, w_EKN: torch.Tensor, counts_E: torch.Te
     dispatch's bytes; a token's copies quantize alike, so the GEMM's operands are the same bit for
     bit). Backward sums the copies' input gradients into their tokens (dispatch's backward), and
     dispatches the tokens again for the weight gradient instead of keeping the bf16 rows."""
+    return _token_gemm(precision, x_TK, w_EKN, counts_E, dest_TK, num_rows)
+
+
+def _token_gemm(precision: str, x_TK: torch.Tensor, w_EKN: torch.Tensor, counts_E: torch.Tensor,
+                dest_TK: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """The forward GEMM on the tokens' quantized copies in the expert layout -> [R, N] in x's dtype."""
     xq_RK, x_scale_R = _quantized_copies(precision, x_TK, _source_rows(dest_TK, num_rows))
     return _forward_gemm(precision, xq_RK, x_scale_R, w_EKN, counts_E).to(x_TK.dtype).contiguous()
 
@@ -513,8 +529,7 @@ def _(grad_h_RH, gate_up_RN):
 def _grad_input_quantized_op(dyq_RN: torch.Tensor, dy_scale_R: torch.Tensor, w_EKN: torch.Tensor,
                              counts_E: torch.Tensor) -> torch.Tensor:
     """_grad_input ("fp8") on dy's E4M3 rows, quantized by the caller."""
-    wq_EKN, w_scale_EK = quantize_weight(w_EKN, over=2)
-    return rows_matmul(dyq_RN, dy_scale_R, wq_EKN, w_scale_EK, counts_E).contiguous()
+    return _grad_input_rows(dyq_RN, dy_scale_R, w_EKN, counts_E).contiguous()
 
 
 @_grad_input_quantized_op.register_fake
@@ -528,8 +543,7 @@ def _token_swiglu_op(x_TK: torch.Tensor, w_EKN: torch.Tensor, counts_E: torch.Te
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """_token_matmul_op ("fp8") on the gate-up weight, then SwiGLU -> (gate_up [R, 2H], kept for
     backward; h [R, H]; h's E4M3 rows and scales)."""
-    xq_RK, x_scale_R = _quantized_copies("fp8", x_TK, _source_rows(dest_TK, num_rows))
-    gate_up_RN = _forward_gemm("fp8", xq_RK, x_scale_R, w_EKN, counts_E).to(x_TK.dtype).contiguous()
+    gate_up_RN = _token_gemm("fp8", x_TK, w_EKN, counts_E, dest_TK, num_rows)
     return (gate_up_RN, *_swiglu_rows(gate_up_RN))
 
 
@@ -585,12 +599,8 @@ def _quantized_rows_matmul_setup(ctx, inputs, output) -> None:
 
 def _quantized_rows_matmul_backward(ctx, dy_RN):
     x_RK, w_EKN, counts_E = ctx.saved_tensors
-    dy_RN = dy_RN.contiguous()
-    grad_x = grad_w = None
-    if ctx.needs_input_grad[0]:
-        grad_x = _grad_input_op(dy_RN, w_EKN, counts_E, "fp8").to(x_RK.dtype)
-    if ctx.needs_input_grad[3]:
-        grad_w = _grad_weight_op(x_RK, dy_RN, counts_E, "fp8", ctx.wgrad).to(w_EKN.dtype)
+    grad_x, grad_w = _matmul_grads(dy_RN, x_RK, w_EKN, counts_E, "fp8", ctx.wgrad, ctx.needs_input_grad[0],
+                                   ctx.needs_input_grad[3])
     return grad_x, None, None, grad_w, None, None
 
 
