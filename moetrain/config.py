@@ -157,6 +157,10 @@ class OptimConfig:
     # AdamW's moments with bf16 parameters (trainer.param_dtype=bfloat16): float32, or bfloat16 (updated
     # in fp32, stored rounded: 20 instead of 28 bytes an element a step; docs/performance.md)
     moment_dtype: ParamDtype = ParamDtype.float32
+    # With bf16 parameters: true, AdamW keeps an fp32 master copy of each; false, none: each bf16
+    # parameter is updated in fp32 and stored with stochastic rounding (6 bytes an element fewer moved
+    # a step and 4 fewer held; not the same arithmetic: docs/performance.md)
+    master_weights: bool = True
 
 
 @dataclass
@@ -301,6 +305,9 @@ def validate(cfg: Config, quant_formats: Sequence[str], num_experts: int | None 
     for key in ("mixed_precision", "cpu_offload"):
         _require(fsdp or not getattr(parallel, key),
                  f"parallel.{key} applies to parallel.strategy=fsdp|fsdp_expert, not {parallel.strategy.value}")
+    _require(not fsdp or cfg.optim.master_weights,
+             f"optim.master_weights=false applies to parallel.strategy=data|expert, not {parallel.strategy.value} "
+             "(FSDP2 keeps its own parameter copies): set optim.master_weights=true")
     expert_placed = parallel.strategy in (ParallelStrategy.expert, ParallelStrategy.fsdp_expert)
     for key in ("adaptive_r", "a2a_ffn_overlap_degree"):  # read by expert parallelism only: never ignored silently
         _require(expert_placed or getattr(parallel, key) == 1,
@@ -324,6 +331,9 @@ def validate(cfg: Config, quant_formats: Sequence[str], num_experts: int | None 
     _require(optim.moment_dtype == ParamDtype.float32 or trainer.param_dtype == ParamDtype.bfloat16,
              "optim.moment_dtype=bfloat16 keeps the moments of the master-weight AdamW of bf16 parameters: set "
              "trainer.param_dtype=bfloat16 too, or optim.moment_dtype=float32")
+    _require(optim.master_weights or trainer.param_dtype == ParamDtype.bfloat16,
+             "optim.master_weights=false rounds bf16 parameters stochastically: set trainer.param_dtype=bfloat16 "
+             "too, or optim.master_weights=true")
     _require(trainer.param_dtype == ParamDtype.float32 or optim.name == OptimizerName.adamw,
              f"trainer.param_dtype=bfloat16 keeps fp32 master weights in AdamW: set optim=adamw, or "
              f"trainer.param_dtype=float32 for optim={optim.name.value}")

@@ -21,6 +21,14 @@ The moments may be stored in bf16 instead (MasterWeightAdamW(moment_dtype=torch.
 optim.moment_dtype=bfloat16): read into fp32, updated and used in fp32, stored rounded to nearest.
 That moves 20 bytes an element instead of 28.
 
+Without master weights (MasterWeightAdamW(master_weights=False), optim.master_weights=false) a bf16
+parameter is its own master: the update is computed in fp32 from the bf16 value and stored with
+stochastic rounding, up to the next bf16 value with probability equal to the fraction of the gap
+that the fp32 result covers, so that updates far smaller than a bf16 step still move the weight in
+expectation. It moves 14 bytes an element (bf16 moments) instead of 20. The random bits are a pure
+function of a seed and the element's index (Philox on CUDA, torch's generator elsewhere), so a
+replica that takes the same step with the same seed writes the same bits.
+
 Two optional device scalars let the caller decide on the GPU, with no host sync, what torch's fused
 optimizers decide from the same two tensors (their `grad_scale` and `found_inf`): the gradient is
 divided by `grad_scale` before use (clipping: the norm over the limit), and where `found_inf` is
@@ -67,13 +75,39 @@ def reference(param: torch.Tensor, grad: torch.Tensor, master: torch.Tensor, exp
         param.copy_(master)
 
 
+def stochastic_round(value: torch.Tensor, seed: int) -> torch.Tensor:
+    """fp32 `value` rounded to bf16 stochastically: to the bf16 neighbour above in magnitude with
+    probability (|value| - |lower|) / (|upper| - |lower|), else to the one below (in expectation,
+    `value`); non-finite values as they are. The random bits: 16 a element from a torch generator
+    seeded with `seed`, on value's device."""
+    generator = torch.Generator(device=value.device).manual_seed(seed)
+    noise = torch.randint(0, 1 << 16, value.shape, generator=generator, dtype=torch.int32, device=value.device)
+    # an fp32's top 16 bits are its bf16 truncation; adding noise below them carries into them with
+    # the probability that the dropped bits make of 2**16 (the sign is separate: magnitudes round)
+    rounded = ((value.contiguous().view(torch.int32) + noise) & ~0xFFFF).view(torch.float32)
+    return torch.where(value.isfinite(), rounded, value).to(torch.bfloat16)
+
+
+def reference_stochastic(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
+                         step: int, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
+                         seed: int, grad_scale: torch.Tensor | None = None,
+                         found_inf: torch.Tensor | None = None) -> None:
+    """The update of a bf16 parameter that is its own master, with torch's ops, in place: `reference`
+    on an fp32 copy of it, stored back with stochastic_round(seed)."""
+    if found_inf is not None and bool(found_inf):
+        return
+    master = param.float()
+    reference(master, grad, master, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps, weight_decay, grad_scale)
+    param.copy_(stochastic_round(master, seed))
+
+
 if triton is not None:
 
     @triton.jit
     def _adamw_master_kernel(param_ptr, grad_ptr, master_ptr, exp_avg_ptr, exp_avg_sq_ptr, elements,
                              decay, beta1, beta2, eps, step_size, bias_correction2_sqrt, grad_scale_ptr, found_inf_ptr,
-                             WRITE_PARAM: tl.constexpr, SCALED: tl.constexpr, SKIPPABLE: tl.constexpr,
-                             BLOCK: tl.constexpr):
+                             seed, WRITE_PARAM: tl.constexpr, SCALED: tl.constexpr, SKIPPABLE: tl.constexpr,
+                             STOCHASTIC: tl.constexpr, BLOCK: tl.constexpr):
         index = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         if SKIPPABLE:  # a skipped step: no element is live, every load and store is masked off
             elements = tl.where(tl.load(found_inf_ptr) != 0, 0, elements)
@@ -81,14 +115,20 @@ if triton is not None:
         g = tl.load(grad_ptr + index, mask=mask).to(tl.float32)
         if SCALED:  # divided exactly (IEEE), as torch's fused optimizers divide
             g = tl.math.div_rn(g, tl.full(g.shape, tl.load(grad_scale_ptr).to(tl.float32), tl.float32))
-        master = tl.load(master_ptr + index, mask=mask)
+        master = tl.load(master_ptr + index, mask=mask).to(tl.float32)
         m = tl.load(exp_avg_ptr + index, mask=mask).to(tl.float32)
         v = tl.load(exp_avg_sq_ptr + index, mask=mask).to(tl.float32)
         master = master * decay
         m = m + (1.0 - beta1) * (g - m)
         v = beta2 * v + (1.0 - beta2) * g * g
         master = master - step_size * m / (tl.sqrt(v) / bias_correction2_sqrt + eps)
-        tl.store(master_ptr + index, master, mask=mask)
+        if STOCHASTIC:  # a bf16 parameter that is its own master: stored stochastically rounded
+            noise = tl.randint(seed, index.to(tl.int32)).to(tl.uint32, bitcast=True) >> 16
+            bits = master.to(tl.uint32, bitcast=True)
+            rounded = (((bits + noise) >> 16) << 16).to(tl.float32, bitcast=True)
+            finite = (bits & 0x7F800000) != 0x7F800000
+            master = tl.where(finite, rounded, master)  # NaN and inf as they are
+        tl.store(master_ptr + index, master.to(master_ptr.dtype.element_ty), mask=mask)
         tl.store(exp_avg_ptr + index, m.to(exp_avg_ptr.dtype.element_ty), mask=mask)
         tl.store(exp_avg_sq_ptr + index, v.to(exp_avg_sq_ptr.dtype.element_ty), mask=mask)
         if WRITE_PARAM:
@@ -98,22 +138,32 @@ if triton is not None:
 MOMENT_DTYPES = (torch.float32, torch.bfloat16)  # the moments' storage
 
 
-def kernel_runs(param: torch.Tensor, grad: torch.Tensor, master: torch.Tensor) -> bool:
-    """Whether adamw_master_step_ takes the Triton kernel: CUDA, Triton, contiguous tensors."""
+def kernel_runs(param: torch.Tensor, grad: torch.Tensor, master: torch.Tensor, stochastic: bool = False) -> bool:
+    """Whether adamw_master_step_ takes the Triton kernel: CUDA, Triton, contiguous tensors, an fp32
+    master or (stochastic) a bf16 parameter that is its own."""
     return (triton is not None and param.is_cuda and all(t.is_contiguous() for t in (param, grad, master))
-            and master.dtype == torch.float32)
+            and (master.dtype == torch.float32 or stochastic))
 
 
 def adamw_master_step_(param: torch.Tensor, grad: torch.Tensor, master: torch.Tensor, exp_avg: torch.Tensor,
                        exp_avg_sq: torch.Tensor, step: int, lr: float, beta1: float, beta2: float, eps: float,
                        weight_decay: float, grad_scale: torch.Tensor | None = None,
-                       found_inf: torch.Tensor | None = None) -> None:
+                       found_inf: torch.Tensor | None = None, rounding_seed: int | None = None) -> None:
     """One AdamW step of `param` (any float dtype) through its fp32 `master` (which may be `param`
     itself), with fp32 or bf16 moments, all updated in place; `step` counts from 1. grad_scale, found_inf:
-    one-element tensors on param's device (module docstring), read by the kernel, not the host."""
-    if not kernel_runs(param, grad, master):
-        reference(param, grad, master, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps, weight_decay, grad_scale,
-                  found_inf)
+    one-element tensors on param's device (module docstring), read by the kernel, not the host.
+    rounding_seed: a bf16 `param` that is its own `master` is stored stochastically rounded, its random
+    bits drawn from this seed (an int below 2**31); None, or any other dtype: rounded to nearest."""
+    stochastic = rounding_seed is not None and master is param and param.dtype == torch.bfloat16
+    if stochastic and not 0 <= rounding_seed < 2**31:
+        raise ValueError(f"rounding_seed must be in [0, 2**31), got {rounding_seed}")
+    if not kernel_runs(param, grad, master, stochastic):
+        if stochastic:
+            reference_stochastic(param, grad, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps, weight_decay,
+                                 rounding_seed, grad_scale, found_inf)
+        else:
+            reference(param, grad, master, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps, weight_decay,
+                      grad_scale, found_inf)
         return
     elements = param.numel()
     if elements == 0:
@@ -122,6 +172,7 @@ def adamw_master_step_(param: torch.Tensor, grad: torch.Tensor, master: torch.Te
         param, grad, master, exp_avg, exp_avg_sq, elements,
         1 - lr * weight_decay, beta1, beta2, eps, lr / (1 - beta1**step), math.sqrt(1 - beta2**step),
         grad if grad_scale is None else grad_scale, grad if found_inf is None else found_inf,
+        rounding_seed if stochastic else 0,
         WRITE_PARAM=param is not master, SCALED=grad_scale is not None, SKIPPABLE=found_inf is not None,
-        BLOCK=_ELEMENTS_PER_PROGRAM, num_warps=8,
+        STOCHASTIC=stochastic, BLOCK=_ELEMENTS_PER_PROGRAM, num_warps=8,
     )

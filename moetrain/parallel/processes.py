@@ -82,7 +82,7 @@ class Distributed:
                                f"{self.strategy!r} writes one file per rank)")
         self.async_checkpoint = True
 
-    def build_optimizer(self, model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer:
+    def build_optimizer(self, model: nn.Module, cfg: OptimConfig, seed: int = 0) -> torch.optim.Optimizer:
         self.model = model
         try:
             if self.fsdp:
@@ -99,10 +99,10 @@ class Distributed:
         except ValueError as error:  # experts vs ranks, the degree, a combination: a setup mistake
             raise SettingError(f"ParallelConfig: {error}") from None
         if self.fsdp:
-            self.optimizer = build_optimizer(model, cfg)
+            self.optimizer = build_optimizer(model, cfg, seed)
             sync_router_biases_after_step(self.optimizer, model)
         else:
-            self.optimizer = DistributedOptimizer(build_optimizer(model, cfg), model, zero=self.cfg.zero)
+            self.optimizer = DistributedOptimizer(build_optimizer(model, cfg, seed), model, zero=self.cfg.zero)
         return self.optimizer
 
     def reduce_gradients(self, model: nn.Module) -> None:

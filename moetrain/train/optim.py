@@ -30,6 +30,14 @@ class MasterWeightAdamW(torch.optim.Optimizer):
     fp32, rounded to nearest when stored): 20 bytes moved an element instead of 28; a checkpoint's
     moments are loaded in this optimizer's moment dtype.
 
+    master_weights=False keeps no fp32 copy: a bf16 parameter is its own master, updated in fp32 and
+    stored with stochastic rounding (moetrain.ops.adamw), 14 bytes moved an element with bf16 moments
+    instead of 20, and 4 bytes less held. The random bits of a parameter's step are a function of
+    rounding_seed, the parameter's place in the optimizer and the step count, so a resumed run, and
+    every data-parallel replica of a parameter, rounds the same way. A checkpoint's masters are dropped
+    on load (the parameters are loaded with the model); a checkpoint without masters loaded with
+    master_weights=True starts them from the bf16 parameters.
+
     Like torch's fused optimizers it takes the GradScaler protocol's two device scalars, set as
     attributes before step() (step_with_device_flags): `grad_scale` divides every gradient and a
     non-zero `found_inf` leaves every tensor as it was, decided by the kernel with no host sync. The
@@ -38,11 +46,17 @@ class MasterWeightAdamW(torch.optim.Optimizer):
     """
 
     def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 1e-2, moment_dtype: torch.dtype = torch.float32):
+                 weight_decay: float = 1e-2, moment_dtype: torch.dtype = torch.float32, master_weights: bool = True,
+                 rounding_seed: int = 0):
         if moment_dtype not in adamw.MOMENT_DTYPES:
             raise ValueError(f"moment_dtype must be one of {list(adamw.MOMENT_DTYPES)}, got {moment_dtype}")
         super().__init__(params, {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay})
-        self.moment_dtype = moment_dtype
+        self.moment_dtype, self.master_weights, self.rounding_seed = moment_dtype, master_weights, rounding_seed
+        if not master_weights:
+            other = {p.dtype for group in self.param_groups for p in group["params"]} - {torch.float32, torch.bfloat16}
+            if other:
+                raise ValueError(f"master_weights=False rounds bf16 parameters stochastically; {sorted(map(str, other))} "
+                                 "parameters need fp32 master weights (master_weights=True)")
         self._unconfirmed = None  # (found_inf on its way to the host, its copy's event, the params stepped)
 
     def _confirm_steps(self) -> None:
@@ -73,13 +87,18 @@ class MasterWeightAdamW(torch.optim.Optimizer):
                 if key != "step" and isinstance(value, torch.Tensor):
                     dtype = torch.float32 if key == "master" else self.moment_dtype
                     self.state[param][key] = value.to(device=param.device, dtype=dtype)
+            state = self.state[param]
+            if not self.master_weights:
+                state.pop("master", None)
+            elif state and param.dtype != torch.float32 and "master" not in state:
+                state["master"] = param.detach().float()  # saved without masters: from the weights
         self._unconfirmed = None
 
     def _state(self, param: torch.Tensor) -> dict:
         state = self.state[param]
         if not state:
             state["step"] = torch.zeros((), dtype=torch.float32)
-            if param.dtype != torch.float32:
+            if param.dtype != torch.float32 and self.master_weights:
                 state["master"] = param.detach().float()
             state["exp_avg"] = torch.zeros_like(param, dtype=self.moment_dtype, memory_format=torch.preserve_format)
             state["exp_avg_sq"] = torch.zeros_like(param, dtype=self.moment_dtype, memory_format=torch.preserve_format)
@@ -94,22 +113,36 @@ class MasterWeightAdamW(torch.optim.Optimizer):
         self._confirm_steps()
         grad_scale, found_inf = getattr(self, "grad_scale", None), getattr(self, "found_inf", None)
         stepped = []
+        ordinal = -1
         for group in self.param_groups:
             beta1, beta2 = group["betas"]
             for param in group["params"]:
+                ordinal += 1
                 if param.grad is None:
                     continue
                 state = self._state(param)
                 state["step"] += 1
                 stepped.append(param)
+                step = int(state["step"].item())
+                seed = None if self.master_weights else rounding_seed(self.rounding_seed, ordinal, step)
                 adamw.adamw_master_step_(param, param.grad, state.get("master", param), state["exp_avg"],
-                                         state["exp_avg_sq"], int(state["step"].item()), group["lr"], beta1, beta2,
+                                         state["exp_avg_sq"], step, group["lr"], beta1, beta2,
                                          group["eps"], group["weight_decay"], _on(grad_scale, param),
-                                         _on(found_inf, param))
+                                         _on(found_inf, param), rounding_seed=seed)
         if found_inf is not None and stepped:
             (flag,), copied = to_host(found_inf)
             self._unconfirmed = flag, copied, stepped
         return loss
+
+
+def rounding_seed(seed: int, ordinal: int, step: int) -> int:
+    """The seed of the random bits that round the `ordinal`-th parameter at `step` (splitmix64 of
+    the three, in [0, 2**31)): distinct for each parameter and step, the same on every replica."""
+    mask = (1 << 64) - 1
+    x = (seed * 0x9E3779B97F4A7C15 + ordinal * 0xBF58476D1CE4E5B9 + step * 0x94D049BB133111EB) & mask
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & mask
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & mask
+    return (x ^ (x >> 31)) % (1 << 31)
 
 
 def _on(scalar: torch.Tensor | None, param: torch.Tensor) -> torch.Tensor | None:
@@ -148,11 +181,12 @@ def step_with_device_flags(optimizer: torch.optim.Optimizer, skip: torch.Tensor,
         del optimizer.found_inf, optimizer.grad_scale
 
 
-def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer:
+def build_optimizer(model: nn.Module, cfg: OptimConfig, seed: int = 0) -> torch.optim.Optimizer:
     """AdamW or SGD over the model's trainable parameters, weight decay on weight matrices only. With
     16-bit parameters (TrainerConfig.param_dtype=bfloat16) AdamW keeps fp32 master weights
-    (MasterWeightAdamW), its moments in OptimConfig.moment_dtype; SGD needs fp32 parameters, and bf16
-    moments need 16-bit parameters."""
+    (MasterWeightAdamW), its moments in OptimConfig.moment_dtype, or with OptimConfig.master_weights=False
+    none (bf16 parameters rounded stochastically, from `seed`); SGD needs fp32 parameters, and bf16
+    moments and master_weights=False need 16-bit parameters."""
     parameters = [p for p in model.parameters() if p.requires_grad]
     groups = [
         {"params": [p for p in parameters if _decays(p)], "weight_decay": cfg.weight_decay},
@@ -169,11 +203,15 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer
             raise ValueError(f"OptimConfig.name={cfg.name.value!r} needs fp32 parameters: use 'adamw', whose "
                              "fp32 master weights make 16-bit parameters trainable")
         return MasterWeightAdamW(groups, lr=cfg.lr, betas=betas, eps=cfg.eps,
-                                 moment_dtype=getattr(torch, cfg.moment_dtype.value))
+                                 moment_dtype=getattr(torch, cfg.moment_dtype.value),
+                                 master_weights=cfg.master_weights, rounding_seed=seed % (1 << 31))
     if cfg.moment_dtype != ParamDtype.float32:
         raise ValueError(f"OptimConfig.moment_dtype={cfg.moment_dtype.value!r} keeps the moments of the "
                          "master-weight AdamW of 16-bit parameters: set TrainerConfig.param_dtype='bfloat16', or "
                          "OptimConfig.moment_dtype='float32'")
+    if not cfg.master_weights:
+        raise ValueError("OptimConfig.master_weights=False rounds bf16 parameters stochastically: set "
+                         "TrainerConfig.param_dtype='bfloat16', or OptimConfig.master_weights=True")
     if cfg.name == OptimizerName.adamw:
         return torch.optim.AdamW(groups, lr=cfg.lr, betas=betas, eps=cfg.eps, fused=fused)
     return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum, fused=fused)

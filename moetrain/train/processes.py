@@ -25,8 +25,8 @@ class SingleProcess:
     rank = 0
     is_main = True  # only the main process writes logs, TensorBoard and checkpoints
 
-    def build_optimizer(self, model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer:
-        self.model, self.optimizer = model, build_optimizer(model, cfg)
+    def build_optimizer(self, model: nn.Module, cfg: OptimConfig, seed: int = 0) -> torch.optim.Optimizer:
+        self.model, self.optimizer = model, build_optimizer(model, cfg, seed)
         return self.optimizer
 
     def reduce_gradients(self, model: nn.Module) -> None:

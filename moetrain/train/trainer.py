@@ -240,7 +240,7 @@ class Trainer:
         self.fused_loss = (trainer.fused_loss and data.task == "language_modeling"
                            and "targets" in inspect.signature(self.model.forward).parameters)
         self.moe_layers = {name: m for name, m in self.model.named_modules() if isinstance(m, MoELayer)}
-        self.optimizer = self.processes.build_optimizer(self.model, optim)
+        self.optimizer = self.processes.build_optimizer(self.model, optim, seed)
         if trainer.async_checkpoint:
             self.processes.enable_async_checkpoints()
         self.scheduler = build_scheduler(self.optimizer, optim, trainer.max_steps)

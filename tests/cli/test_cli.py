@@ -146,6 +146,10 @@ ERRORS = [
     (["optim.moment_dtype=bfloat16"], "optim.moment_dtype=bfloat16 keeps the moments of the master-weight AdamW of "
                                       "bf16 parameters: set trainer.param_dtype=bfloat16 too"),
     (["optim.moment_dtype=float16"], "expected one of [float32, bfloat16]"),
+    (["optim.master_weights=false"], "optim.master_weights=false rounds bf16 parameters stochastically: set "
+                                     "trainer.param_dtype=bfloat16 too"),
+    (["optim.master_weights=false", "trainer.param_dtype=bfloat16", "parallel.strategy=fsdp"],
+     "optim.master_weights=false applies to parallel.strategy=data|expert, not fsdp"),
     (["trainer.profile_at=-1"], "trainer.profile_at must be >= 0"),
     (["gate.top_k=9"], "gate.top_k=9 exceeds model.num_experts=4"),
     (["-m", "gate.top_k=1,9"], "gate.top_k=9 exceeds model.num_experts=4"),

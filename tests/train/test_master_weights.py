@@ -207,6 +207,50 @@ def kernel_checks(device: str, dtypes=(torch.bfloat16, torch.float16, torch.floa
                 assert torch.equal(param, master.to(dtype))  # the parameter is its master rounded, every element
             else:  # Triton's interpreter rounds fp32 to bf16 its own way: within one bf16 step
                 torch.testing.assert_close(param, master.to(dtype), rtol=2**-7, atol=0)
+    stochastic_kernel_checks(device, sizes)
+
+
+def stochastic_kernel_checks(device: str, sizes) -> None:
+    """A bf16 parameter that is its own master (rounding_seed): the kernel writes, at every element, one
+    of the two bf16 neighbours of the reference's fp32 update, the upper one as often as the fraction of
+    the spacing says (the mean over many elements), the same bits for the same seed, others for
+    another, and nothing on a skipped step."""
+    generator = torch.Generator().manual_seed(17)
+    for moments, elements in itertools.product(adamw.MOMENT_DTYPES, sizes):
+        for scale, found in FLAGS.values():
+            param = torch.randn(elements, generator=generator).to(device, torch.bfloat16)
+            grad = torch.randn(elements, generator=generator).to(device, torch.bfloat16)
+            exp_avg = torch.randn(elements, generator=generator).to(device, moments)
+            exp_avg_sq = torch.rand(elements, generator=generator).to(device, moments)
+            flags = [None if v is None else torch.tensor(v, device=device) for v in (scale, found)]
+            expected = param.float()
+            reference_moments = (exp_avg.clone(), exp_avg_sq.clone())
+            adamw.reference(expected, grad, expected, *reference_moments, 7, 1e-3, 0.9, 0.95, 1e-8, 0.1, *flags)
+            untouched = [t.clone() for t in (param, exp_avg, exp_avg_sq)]
+            results = []
+            for seed in (21, 21, 22):
+                for t, u in zip((param, exp_avg, exp_avg_sq), untouched):
+                    t.copy_(u)
+                assert adamw.kernel_runs(param, grad, param, stochastic=True)
+                adamw.adamw_master_step_(param, grad, param, exp_avg, exp_avg_sq, 7, 1e-3, 0.9, 0.95, 1e-8, 0.1,
+                                         *flags, rounding_seed=seed)
+                results.append(param.clone())
+            if found:
+                assert all(torch.equal(r, untouched[0]) for r in results)
+                continue
+            for ours, theirs in zip((exp_avg, exp_avg_sq), reference_moments):
+                torch.testing.assert_close(ours, theirs, **(dict(rtol=1e-5, atol=1e-6) if moments == torch.float32
+                                                            else dict(rtol=2**-7, atol=1e-6)))
+            got, expected = results[0].cpu().double(), expected.cpu()
+            lower, upper = _bf16_neighbours(expected)
+            # the kernel's fused multiply-adds may put its fp32 result an ulp from the reference's
+            assert ((got == lower) | (got == upper) | ((got - expected.double()).abs() <= 2**-8 * got.abs())).all()
+            assert torch.equal(results[0], results[1])
+            assert elements < 100 or not torch.equal(results[0], results[2])  # (one element: a coin toss)
+            if elements > 50_000:  # unbiased: the rounding error over the spacing averages to 0 (sd 0.002 here)
+                inexact = lower != upper  # (in magnitude: a bias toward zero cancels over signs in the values)
+                error = (got.abs() - expected.double().abs())[inexact] / (upper - lower)[inexact].abs()
+                assert abs(error.mean().item()) < 0.01, error.mean().item()
 
 
 @pytest.mark.cuda
@@ -218,8 +262,8 @@ def test_kernel_matches_reference():
 def test_kernel_matches_reference_in_the_interpreter():
     pytest.importorskip("triton")
     command = ("import sys; sys.path.insert(0, 'tests/train'); import test_master_weights as t; "
-               "t.adamw.kernel_runs = lambda param, grad, master: True; "
-               "t.kernel_checks('cpu', sizes=(1, 2047, 4100)); print('ok')")
+               "t.adamw.kernel_runs = lambda param, grad, master, stochastic=False: True; "
+               "t.kernel_checks('cpu', sizes=(1, 2047, 4100)); t.stochastic_kernel_checks('cpu', (60_000,)); print('ok')")
     result = subprocess.run([sys.executable, "-c", command], cwd=Path(__file__).parents[2],
                             env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0 and result.stdout.strip() == "ok", result.stdout[-2000:] + result.stderr[-4000:]
@@ -243,7 +287,7 @@ def test_parameter_dtype_keeps_routers_and_buffers_fp32():
         build_optimizer(build_lm("qwen3_moe_tiny"), OptimConfig(moment_dtype=ParamDtype.bfloat16))
 
 
-def _tiny_lm_trainer(run_dir, moment_dtype="float32", **trainer_settings):
+def _tiny_lm_trainer(run_dir, moment_dtype="float32", master_weights=True, **trainer_settings):
     from moetrain.config import LoggerConfig, ParamDtype, TrainerConfig
     from moetrain.data.text import synthetic_lm
     from moetrain.train import Trainer, seed_everything
@@ -254,18 +298,20 @@ def _tiny_lm_trainer(run_dir, moment_dtype="float32", **trainer_settings):
     settings = dict(max_steps=6, eval_every=0, eval_batches=1, checkpoint_every=3, keep_checkpoints=0,
                     progress_bar=False, param_dtype="bfloat16")
     settings.update(trainer_settings)
-    optim = OptimConfig(lr=3e-3, warmup_steps=1, moment_dtype=ParamDtype(moment_dtype))
+    optim = OptimConfig(lr=3e-3, warmup_steps=1, moment_dtype=ParamDtype(moment_dtype), master_weights=master_weights)
     return Trainer(model, data, trainer=TrainerConfig(**settings), optim=optim,
                    logger=LoggerConfig(tensorboard=False, log_every=1), run_dir=run_dir, seed=0,
                    run_config={"model": {"name": "tiny"}, "trainer": {"max_steps": settings["max_steps"]}})
 
 
-@pytest.mark.parametrize("moments", ["float32", "bfloat16"])
-def test_the_trainer_trains_bf16_parameters_and_resumes_them_exactly(tmp_path, moments):
+@pytest.mark.parametrize("moments, masters", [("float32", True), ("bfloat16", True), ("bfloat16", False)])
+def test_the_trainer_trains_bf16_parameters_and_resumes_them_exactly(tmp_path, moments, masters):
     from moetrain.config import ParamDtype
 
-    straight = _tiny_lm_trainer(tmp_path / "straight", param_dtype=ParamDtype.bfloat16, moment_dtype=moments)
+    straight = _tiny_lm_trainer(tmp_path / "straight", param_dtype=ParamDtype.bfloat16, moment_dtype=moments,
+                                master_weights=masters)
     assert straight.optimizer.moment_dtype == getattr(torch, moments)
+    assert straight.optimizer.master_weights is masters
     routers = {id(p) for layer in moe_layers(straight.model) for p in layer.gate.parameters()}
     assert isinstance(straight.optimizer, MasterWeightAdamW)
     assert {p.dtype for p in straight.model.parameters() if id(p) not in routers} == {torch.bfloat16}
@@ -276,8 +322,9 @@ def test_the_trainer_trains_bf16_parameters_and_resumes_them_exactly(tmp_path, m
     # From the straight run's checkpoint at step 3 (fp32 masters, moments, bf16 weights) to step 6.
     middle = tmp_path / "straight" / "checkpoints" / "step_00000003.pt"
     resumed = _tiny_lm_trainer(tmp_path / "resumed", param_dtype=ParamDtype.bfloat16, resume=str(middle),
-                               moment_dtype=moments)
+                               moment_dtype=moments, master_weights=masters)
     resumed.fit()
+    assert masters or not any("master" in state for state in resumed.optimizer.state.values())
     for (name, p), q in zip(straight.model.named_parameters(), resumed.model.parameters()):
         assert torch.equal(p, q), name
     for p, q in zip(straight.model.parameters(), resumed.model.parameters()):
@@ -313,3 +360,136 @@ def test_profile_at_on_a_gpu_says_where_the_gpu_waited(tmp_path):
     assert rows and all(int(count) > 0 for _, _, count in rows)
     assert sum(float(ms) for _, ms, _ in rows) <= float(waited.group(1)) + 0.01 + 0.01 * len(rows)
     assert step_ms > 0
+
+
+# ---- without master weights: bf16 parameters rounded stochastically (master_weights=False)
+
+def _bf16_neighbours(value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The bf16 values nearest below and above |value| in magnitude, signed like value, in float64, from
+    the spacing formula (8 significant bits: the spacing at |x| in [2**e, 2**(e+1)) is 2**(e-7)); for a
+    value that is a bf16 itself both are the value."""
+    x = value.double()
+    exponent = torch.floor(torch.log2(x.abs())).clamp(min=-126)  # subnormals share the smallest spacing
+    spacing = torch.exp2(exponent - 7)
+    lower = torch.floor(x.abs() / spacing) * spacing
+    upper = torch.where(lower == x.abs(), lower, lower + spacing)
+    return lower * x.sign(), upper * x.sign()
+
+
+def test_stochastic_rounding_lands_on_a_neighbour_with_the_right_odds():
+    """Each result is one of the two bf16 values around the fp32 input (the input itself where it is a
+    bf16), non-finite inputs stay as they are, the same seed gives the same bits, and over many seeds
+    the result's mean is the input: the upper neighbour comes with probability (|x| - lower) / spacing."""
+    generator = torch.Generator().manual_seed(11)
+    values = torch.cat([torch.randn(300, generator=generator) * 10.0 ** torch.randint(-30, 30, (300,), generator=generator),
+                        torch.randn(50, generator=generator).bfloat16().float(),  # exact bf16 values
+                        torch.tensor([1e-40, -3e-39])])  # subnormals
+    lower, upper = _bf16_neighbours(values)
+    draws = torch.stack([adamw.stochastic_round(values, seed).double() for seed in range(4000)])
+    assert ((draws == lower) | (draws == upper)).all()
+    exact = lower == upper
+    assert (draws[:, exact] == values[exact].double()).all()
+    p_up = (values.double().abs() - lower.abs()) / (upper - lower).abs()
+    frequency = (draws == upper).double().mean(0)
+    inexact = ~exact
+    # 4000 Bernoulli draws: a standard deviation of at most 0.008; 5 of them apart is a bug
+    assert ((frequency - p_up)[inexact].abs() < 0.04).all()
+    assert torch.equal(adamw.stochastic_round(values, 7), adamw.stochastic_round(values, 7))
+    assert not torch.equal(adamw.stochastic_round(values, 7), adamw.stochastic_round(values, 8))
+    special = torch.tensor([float("inf"), -float("inf"), float("nan")])
+    assert torch.equal(adamw.stochastic_round(special, 0)[:2], special[:2].bfloat16())
+    assert adamw.stochastic_round(special, 0)[2].isnan()
+
+
+def test_without_masters_each_step_is_torch_adamw_rounded_to_a_neighbour():
+    """master_weights=False: no fp32 copy in the state, and after each step every bf16 parameter is one
+    of the two bf16 neighbours of what torch's AdamW computes in fp32 from the same bf16 weights."""
+    low, high = _pairs(12)
+    ours = MasterWeightAdamW(low, lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, master_weights=False,
+                             moment_dtype=torch.float32, rounding_seed=5)
+    torchs = torch.optim.AdamW(high, lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, foreach=False)
+    generator = torch.Generator().manual_seed(13)
+    moved_up = moved_down = 0
+    for _ in range(5):
+        for p, q in zip(low, high):
+            q.data.copy_(p.detach().float())  # torch starts each step from our rounded weights
+            grad = torch.randn(p.shape, generator=generator).bfloat16()
+            p.grad, q.grad = grad, grad.float()
+        ours.step()
+        torchs.step()
+        for p, q in zip(low, high):
+            assert p.dtype == torch.bfloat16 and "master" not in ours.state[p]
+            lower, upper = _bf16_neighbours(q.detach())
+            # torch's ops and ours may differ by an fp32 ulp: a neighbour of either side of it is fine
+            got = p.detach().double()
+            assert ((got == lower) | (got == upper) | ((got - q.detach().double()).abs() <= 2**-8 * got.abs())).all()
+            nearest = q.detach().bfloat16().double()
+            moved_up += int((got.abs() > nearest.abs()).sum())
+            moved_down += int((got.abs() < nearest.abs()).sum())
+    assert moved_up and moved_down  # not round-to-nearest: some elements round the other way
+
+
+def test_without_masters_updates_smaller_than_a_bf16_step_still_move_the_weights():
+    """Updates of a tenth of a bf16 step: rounded to nearest they vanish, rounded stochastically the
+    weights' mean follows the fp32 trajectory (here AdamW's lr a step, from 1.0: the first moment over
+    the second's root is 1 for a constant gradient)."""
+    steps, lr = 20, 2**-7 / 10  # bf16's spacing at 1.0 is 2**-7
+    param = torch.nn.Parameter(torch.ones(1 << 14, dtype=torch.bfloat16))
+    optimizer = MasterWeightAdamW([param], lr=lr, weight_decay=0.0, master_weights=False, rounding_seed=3)
+    for _ in range(steps):
+        param.grad = torch.full_like(param, 0.5)
+        optimizer.step()
+    mean = param.detach().double().mean().item()
+    # each element is within one spacing of its expectation: the mean of 16384 is within 1e-3 spacing
+    assert abs(mean - (1.0 - steps * lr)) < 2**-7 * 0.02, mean
+    assert torch.tensor(1.0 - lr).bfloat16() == 1.0  # rounded to nearest, one step does not move a weight
+    assert (param.detach() != 1.0).double().mean() > 0.5
+
+
+def test_without_masters_replicas_and_resumed_runs_round_alike():
+    """The random bits are a function of the seed, the parameter's place and the step: two optimizers
+    over equal parameters write equal bits (data-parallel replicas), a state_dict round trip continues
+    bit for bit, and another rounding_seed rounds otherwise."""
+    low, _ = _pairs(14)
+    copies = [torch.nn.Parameter(p.detach().clone()) for p in low]
+    others = [torch.nn.Parameter(p.detach().clone()) for p in low]
+    first = MasterWeightAdamW(low, lr=1e-2, master_weights=False, rounding_seed=9)
+    second = MasterWeightAdamW(copies, lr=1e-2, master_weights=False, rounding_seed=9)
+    third = MasterWeightAdamW(others, lr=1e-2, master_weights=False, rounding_seed=10)
+    generator = torch.Generator().manual_seed(15)
+    grads = [[torch.randn(p.shape, generator=generator).bfloat16() for p in low] for _ in range(4)]
+    for step in range(4):
+        if step == 2:  # the second resumes from the first's state
+            buffer = io.BytesIO()
+            torch.save(first.state_dict(), buffer)
+            buffer.seek(0)
+            second = MasterWeightAdamW(copies, lr=1e-2, master_weights=False, rounding_seed=9)
+            second.load_state_dict(torch.load(buffer, weights_only=True))
+        for optimizer, params in ((first, low), (second, copies), (third, others)):
+            for p, g in zip(params, grads[step]):
+                p.grad = g
+            optimizer.step()
+        assert all(torch.equal(p, q) for p, q in zip(low, copies))
+    assert not all(torch.equal(p, q) for p, q in zip(low, others))
+
+
+def test_checkpoints_move_between_master_and_masterless_optimizers():
+    """A checkpoint with masters loaded without them: the masters are dropped (the weights come with the
+    model). One without masters loaded with them: the masters start from the bf16 weights."""
+    low, _ = _pairs(16)
+    with_masters = MasterWeightAdamW(low, lr=1e-2)
+    for p in low:
+        p.grad = torch.randn(p.shape).bfloat16()
+    with_masters.step()
+    masterless = MasterWeightAdamW(low, lr=1e-2, master_weights=False)
+    masterless.load_state_dict(with_masters.state_dict())
+    assert all("master" not in masterless.state[p] and "exp_avg" in masterless.state[p] for p in low)
+    masterless.step()
+    again = MasterWeightAdamW(low, lr=1e-2)
+    again.load_state_dict(masterless.state_dict())
+    for p in low:
+        assert again.state[p]["master"].dtype == torch.float32 and torch.equal(again.state[p]["master"], p.float())
+    with pytest.raises(ValueError, match="master_weights=False rounds bf16 parameters stochastically"):
+        MasterWeightAdamW([torch.nn.Parameter(torch.zeros(3, dtype=torch.float16))], master_weights=False)
+    with pytest.raises(ValueError, match="master_weights=False rounds bf16 parameters stochastically"):
+        build_optimizer(torch.nn.Linear(2, 2), OptimConfig(master_weights=False))
