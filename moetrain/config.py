@@ -305,9 +305,11 @@ def validate(cfg: Config, quant_formats: Sequence[str], num_experts: int | None 
     for key in ("mixed_precision", "cpu_offload"):
         _require(fsdp or not getattr(parallel, key),
                  f"parallel.{key} applies to parallel.strategy=fsdp|fsdp_expert, not {parallel.strategy.value}")
-    _require(not fsdp or cfg.optim.master_weights,
-             f"optim.master_weights=false applies to parallel.strategy=data|expert, not {parallel.strategy.value} "
-             "(FSDP2 keeps its own parameter copies): set optim.master_weights=true")
+    # FSDP2 shards one dtype per group of parameters (the routers stay fp32): it computes in bf16 from
+    # fp32 parameters itself, with parallel.mixed_precision
+    _require(not fsdp or cfg.trainer.param_dtype == ParamDtype.float32,
+             f"trainer.param_dtype=bfloat16 applies to parallel.strategy=data|expert, not {parallel.strategy.value}: "
+             "set trainer.param_dtype=float32 and parallel.mixed_precision=true (bf16 compute, fp32 parameters)")
     expert_placed = parallel.strategy in (ParallelStrategy.expert, ParallelStrategy.fsdp_expert)
     for key in ("adaptive_r", "a2a_ffn_overlap_degree"):  # read by expert parallelism only: never ignored silently
         _require(expert_placed or getattr(parallel, key) == 1,

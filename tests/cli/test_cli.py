@@ -148,8 +148,11 @@ ERRORS = [
     (["optim.moment_dtype=float16"], "expected one of [float32, bfloat16]"),
     (["optim.master_weights=false"], "optim.master_weights=false rounds bf16 parameters stochastically: set "
                                      "trainer.param_dtype=bfloat16 too"),
-    (["optim.master_weights=false", "trainer.param_dtype=bfloat16", "parallel.strategy=fsdp"],
-     "optim.master_weights=false applies to parallel.strategy=data|expert, not fsdp"),
+    (["trainer.param_dtype=bfloat16", "parallel.strategy=fsdp", "parallel.nproc_per_node=2"],
+     "trainer.param_dtype=bfloat16 applies to parallel.strategy=data|expert, not fsdp: set "
+     "trainer.param_dtype=float32 and parallel.mixed_precision=true"),
+    (["trainer.param_dtype=bfloat16", "optim.master_weights=false", "parallel.strategy=fsdp_expert"],
+     "trainer.param_dtype=bfloat16 applies to parallel.strategy=data|expert, not fsdp_expert"),
     (["trainer.profile_at=-1"], "trainer.profile_at must be >= 0"),
     (["gate.top_k=9"], "gate.top_k=9 exceeds model.num_experts=4"),
     (["-m", "gate.top_k=1,9"], "gate.top_k=9 exceeds model.num_experts=4"),
