@@ -307,7 +307,7 @@ def validate(cfg: Config, quant_formats: Sequence[str], num_experts: int | None 
                  f"parallel.{key} applies to parallel.strategy=fsdp|fsdp_expert, not {parallel.strategy.value}")
     # FSDP2 shards one dtype per group of parameters (the routers stay fp32): it computes in bf16 from
     # fp32 parameters itself, with parallel.mixed_precision
-    _require(not fsdp or cfg.trainer.param_dtype == ParamDtype.float32,
+    _require(not fsdp or trainer.param_dtype == ParamDtype.float32,
              f"trainer.param_dtype=bfloat16 applies to parallel.strategy=data|expert, not {parallel.strategy.value}: "
              "set trainer.param_dtype=float32 and parallel.mixed_precision=true (bf16 compute, fp32 parameters)")
     expert_placed = parallel.strategy in (ParallelStrategy.expert, ParallelStrategy.fsdp_expert)
