@@ -26,8 +26,8 @@ parameter is its own master: the update is computed in fp32 from the bf16 value 
 stochastic rounding, up to the next bf16 value with probability equal to the fraction of the gap
 that the fp32 result covers, so that updates far smaller than a bf16 step still move the weight in
 expectation. It moves 14 bytes an element (bf16 moments) instead of 20. The random bits are a pure
-function of a seed and the element's index (Philox on CUDA, torch's generator elsewhere), so a
-replica that takes the same step with the same seed writes the same bits.
+function of a seed and the element's index (`rounding_noise`: an integer hash, the same bits in the
+kernel and in torch), so a replica that takes the same step with the same seed writes the same bits.
 
 Two optional device scalars let the caller decide on the GPU, with no host sync, what torch's fused
 optimizers decide from the same two tensors (their `grad_scale` and `found_inf`): the gradient is
@@ -75,13 +75,30 @@ def reference(param: torch.Tensor, grad: torch.Tensor, master: torch.Tensor, exp
         param.copy_(master)
 
 
+# rounding_noise's hash: an index times 2**32 over the golden ratio, plus the seed, then MurmurHash3's
+# 32-bit finalizer (multiply-xorshift rounds; every input bit reaches every output bit)
+_GOLDEN, _MIX1, _MIX2 = 0x9E3779B1, 0x85EBCA6B, 0xC2B2AE35
+_LOW32 = 0xFFFFFFFF
+
+
+def rounding_noise(seed: int, elements: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """The 16 random bits (0 .. 65535, int64) that stochastic rounding adds below each of `elements`
+    fp32 values: the top half of a 32-bit hash of the element's index and `seed`. The kernel computes
+    the same hash in uint32 arithmetic; here int64 products wrap and are masked to their low 32 bits."""
+    h = (torch.arange(elements, dtype=torch.int64, device=device) * _GOLDEN + seed) & _LOW32
+    h ^= h >> 16
+    h = (h * _MIX1) & _LOW32
+    h ^= h >> 13
+    h = (h * _MIX2) & _LOW32
+    h ^= h >> 16
+    return h >> 16
+
+
 def stochastic_round(value: torch.Tensor, seed: int) -> torch.Tensor:
     """fp32 `value` rounded to bf16 stochastically: to the bf16 neighbour above in magnitude with
     probability (|value| - |lower|) / (|upper| - |lower|), else to the one below (in expectation,
-    `value`); non-finite values as they are. The random bits: 16 a element from a torch generator
-    seeded with `seed`, on value's device."""
-    generator = torch.Generator(device=value.device).manual_seed(seed)
-    noise = torch.randint(0, 1 << 16, value.shape, generator=generator, dtype=torch.int32, device=value.device)
+    `value`); non-finite values as they are. The random bits: rounding_noise(seed), by flat index."""
+    noise = rounding_noise(seed, value.numel(), value.device).view(value.shape).to(torch.int32)
     # an fp32's top 16 bits are its bf16 truncation; adding noise below them carries into them with
     # the probability that the dropped bits make of 2**16 (the sign is separate: magnitudes round)
     rounded = ((value.contiguous().view(torch.int32) + noise) & ~0xFFFF).view(torch.float32)
@@ -123,7 +140,13 @@ if triton is not None:
         v = beta2 * v + (1.0 - beta2) * g * g
         master = master - step_size * m / (tl.sqrt(v) / bias_correction2_sqrt + eps)
         if STOCHASTIC:  # a bf16 parameter that is its own master: stored stochastically rounded
-            noise = tl.randint(seed, index.to(tl.int32)).to(tl.uint32, bitcast=True) >> 16
+            h = index.to(tl.uint32) * 0x9E3779B1 + seed.to(tl.uint32)  # rounding_noise, in uint32
+            h ^= h >> 16
+            h *= 0x85EBCA6B
+            h ^= h >> 13
+            h *= 0xC2B2AE35
+            h ^= h >> 16
+            noise = h >> 16
             bits = master.to(tl.uint32, bitcast=True)
             rounded = (((bits + noise) >> 16) << 16).to(tl.float32, bitcast=True)
             finite = (bits & 0x7F800000) != 0x7F800000

@@ -223,6 +223,9 @@ def stochastic_kernel_checks(device: str, sizes) -> None:
             exp_avg = torch.randn(elements, generator=generator).to(device, moments)
             exp_avg_sq = torch.rand(elements, generator=generator).to(device, moments)
             flags = [None if v is None else torch.tensor(v, device=device) for v in (scale, found)]
+            same_bits = param.clone()  # the torch path: the same hash, the same bits
+            adamw.reference_stochastic(same_bits, grad, exp_avg.clone(), exp_avg_sq.clone(), 7, 1e-3, 0.9, 0.95,
+                                       1e-8, 0.1, 21, *flags)
             expected = param.float()
             reference_moments = (exp_avg.clone(), exp_avg_sq.clone())
             adamw.reference(expected, grad, expected, *reference_moments, 7, 1e-3, 0.9, 0.95, 1e-8, 0.1, *flags)
@@ -246,6 +249,8 @@ def stochastic_kernel_checks(device: str, sizes) -> None:
             # the kernel's fused multiply-adds may put its fp32 result an ulp from the reference's
             assert _a_bf16_neighbour(got, expected).all()
             assert torch.equal(results[0], results[1])
+            # bit for bit the torch path's, but where an fp32 ulp between the two updates changes a carry
+            assert (results[0] == same_bits).double().mean() > 0.999
             assert elements < 100 or not torch.equal(results[0], results[2])  # (one element: a coin toss)
             if elements > 50_000:  # unbiased: the rounding error over the spacing averages to 0 (sd 0.002 here)
                 inexact = lower != upper  # (in magnitude: a bias toward zero cancels over signs in the values)
@@ -406,6 +411,29 @@ def test_stochastic_rounding_lands_on_a_neighbour_with_the_right_odds():
     special = torch.tensor([float("inf"), -float("inf"), float("nan")])
     assert torch.equal(adamw.stochastic_round(special, 0)[:2], special[:2].bfloat16())
     assert adamw.stochastic_round(special, 0)[2].isnan()
+
+
+def test_rounding_noise_is_the_documented_hash_and_uniform():
+    """rounding_noise against the hash written out with Python's integers, element by element, and its
+    16 bits spread evenly: each of 256 buckets of the values holds its share of 2**20 draws (a chi-square
+    test), and another seed draws other bits."""
+    def naive(seed, index):
+        h = (index * 0x9E3779B1 + seed) % 2**32
+        h ^= h >> 16
+        h = h * 0x85EBCA6B % 2**32
+        h ^= h >> 13
+        h = h * 0xC2B2AE35 % 2**32
+        h ^= h >> 16
+        return h >> 16
+
+    seed = int(torch.randint(0, 2**31, ()))
+    noise = adamw.rounding_noise(seed, 5000)
+    assert noise.tolist() == [naive(seed, i) for i in range(5000)]
+    draws = adamw.rounding_noise(seed, 1 << 20)
+    counts = torch.bincount(draws >> 8, minlength=256).double()
+    chi2 = ((counts - 4096) ** 2 / 4096).sum().item()
+    assert chi2 < 400, chi2  # 255 degrees of freedom: 400 is far in the tail
+    assert (draws != adamw.rounding_noise(seed + 1, 1 << 20)).double().mean() > 0.99
 
 
 def test_without_masters_each_step_is_torch_adamw_rounded_to_a_neighbour():
