@@ -19,7 +19,10 @@ single-process update on the mean of all ranks' losses (the DDP convention):
   zero=True (ZeRO-1): each shared parameter's optimizer state lives on one rank, which updates
       it and broadcasts the new values; expert parameters keep their state where they live;
   routers with an aux-loss-free bias (sigmoid gate) update it from the load summed over ranks,
-      so every rank moves the bias the same way (calling update_router_biases() is not needed).
+      so every rank moves the bias the same way (calling update_router_biases() is not needed);
+  an optimizer that rounds stochastically (moetrain.train.optim.MasterWeightAdamW without master
+      weights) keeps one rounding key per shared parameter on every rank, and gets keys of their own
+      for each rank's sharded experts (the replicas of an expert share them).
 
 Users never tag parameters: expert parameters are found through the MoE layers' ExpertParallel (layer.parallel).
 state_dict() names parameters by their model names, so checkpoints survive resharding.
@@ -108,6 +111,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
                                  f"has {self.world_size}: use the same process group for both")
             entry = expert_groups.setdefault(id(layout), _ExpertGroup([], layout.replicas, layout.replica_group))
             entry.params.extend(param for param in layer.experts.parameters() if param in in_optimizer)
+            keys = getattr(optimizer, "rounding_keys", None)
+            if keys is not None:  # the same place on another rank is another expert: other bits
+                offset = len(keys) * (1 + layout.local_slice.start)
+                for param in layer.experts.parameters():
+                    if param in keys:
+                        optimizer.set_rounding_key(param, keys[param] + offset)
         self.expert_groups = list(expert_groups.values())
         sharded = {param for entry in self.expert_groups for param in entry.params}
         self.shared = [param for param in params if param not in sharded]

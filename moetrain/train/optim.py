@@ -33,8 +33,11 @@ class MasterWeightAdamW(torch.optim.Optimizer):
     master_weights=False keeps no fp32 copy: a bf16 parameter is its own master, updated in fp32 and
     stored with stochastic rounding (moetrain.ops.adamw), 14 bytes moved an element with bf16 moments
     instead of 20, and 4 bytes less held. The random bits of a parameter's step are a function of
-    rounding_seed, the parameter's place in the optimizer and the step count, so a resumed run, and
-    every data-parallel replica of a parameter, rounds the same way. A checkpoint's masters are dropped
+    rounding_seed, the parameter's key and the step count, so a resumed run, and every data-parallel
+    replica of a parameter, rounds the same way. A parameter's key (`rounding_keys`) is its place among
+    the parameters given to the constructor; it stays when the groups are narrowed afterwards (ZeRO-1
+    keeping each rank's own), and an expert-parallel wrapper gives each rank's experts keys of their own
+    (`set_rounding_key`), so that different experts in the same place never share their bits. A checkpoint's masters are dropped
     on load (the parameters are loaded with the model); a checkpoint without masters loaded with
     master_weights=True starts them from the bf16 parameters.
 
@@ -58,6 +61,20 @@ class MasterWeightAdamW(torch.optim.Optimizer):
                 raise ValueError(f"master_weights=False rounds bf16 parameters stochastically; {sorted(map(str, other))} "
                                  "parameters need fp32 master weights (master_weights=True)")
         self._unconfirmed = None  # (found_inf on its way to the host, its copy's event, the params stepped)
+
+    def add_param_group(self, param_group: dict) -> None:
+        super().add_param_group(param_group)
+        keys = self.__dict__.setdefault("rounding_keys", {})  # (the constructor adds its groups here too)
+        for param in self.param_groups[-1]["params"]:
+            keys.setdefault(param, len(keys))
+
+    def set_rounding_key(self, param: torch.Tensor, key: int) -> None:
+        """The key whose bits round `param` (distinct keys: independent bits; see the class doc)."""
+        if param not in self.rounding_keys:
+            raise ValueError("set_rounding_key: the parameter is not one this optimizer was built with")
+        if not 0 <= key < 2**63:
+            raise ValueError(f"set_rounding_key: key must be in [0, 2**63), got {key}")
+        self.rounding_keys[param] = key
 
     def _confirm_steps(self) -> None:
         """Take back the step counts of the last step if its found_inf said it was skipped."""
@@ -113,18 +130,17 @@ class MasterWeightAdamW(torch.optim.Optimizer):
         self._confirm_steps()
         grad_scale, found_inf = getattr(self, "grad_scale", None), getattr(self, "found_inf", None)
         stepped = []
-        ordinal = -1
         for group in self.param_groups:
             beta1, beta2 = group["betas"]
             for param in group["params"]:
-                ordinal += 1
                 if param.grad is None:
                     continue
                 state = self._state(param)
                 state["step"] += 1
                 stepped.append(param)
                 step = int(state["step"].item())
-                seed = None if self.master_weights else rounding_seed(self.rounding_seed, ordinal, step)
+                key = self.rounding_keys[param]
+                seed = None if self.master_weights else rounding_seed(self.rounding_seed, key, step)
                 adamw.adamw_master_step_(param, param.grad, state.get("master", param), state["exp_avg"],
                                          state["exp_avg_sq"], step, group["lr"], beta1, beta2,
                                          group["eps"], group["weight_decay"], _on(grad_scale, param),
@@ -135,11 +151,11 @@ class MasterWeightAdamW(torch.optim.Optimizer):
         return loss
 
 
-def rounding_seed(seed: int, ordinal: int, step: int) -> int:
-    """The seed of the random bits that round the `ordinal`-th parameter at `step` (splitmix64 of
-    the three, in [0, 2**31)): distinct for each parameter and step, the same on every replica."""
+def rounding_seed(seed: int, key: int, step: int) -> int:
+    """The seed of the random bits that round the parameter of `key` at `step` (splitmix64 of the
+    three, in [0, 2**31)): distinct for each parameter and step, the same on every replica."""
     mask = (1 << 64) - 1
-    x = (seed * 0x9E3779B97F4A7C15 + ordinal * 0xBF58476D1CE4E5B9 + step * 0x94D049BB133111EB) & mask
+    x = (seed * 0x9E3779B97F4A7C15 + key * 0xBF58476D1CE4E5B9 + step * 0x94D049BB133111EB) & mask
     x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & mask
     x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & mask
     return (x ^ (x >> 31)) % (1 << 31)

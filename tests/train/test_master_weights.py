@@ -510,6 +510,34 @@ def test_without_masters_replicas_and_resumed_runs_round_alike():
     assert not all(torch.equal(p, q) for p, q in zip(low, others))
 
 
+def test_rounding_keys_outlive_narrowed_groups_and_other_keys_round_otherwise():
+    """A parameter's bits follow its key, its place among the constructor's parameters: an optimizer
+    whose groups were narrowed to one parameter afterwards (as ZeRO-1 narrows each rank's) rounds it
+    as the whole one does; set_rounding_key gives it other bits."""
+    low, _ = _pairs(16)
+    copies = [[torch.nn.Parameter(p.detach().clone()) for p in low] for _ in range(3)]
+    whole, narrowed, rekeyed = (MasterWeightAdamW(params, lr=1e-2, master_weights=False, rounding_seed=3)
+                                for params in copies)
+    for optimizer in (narrowed, rekeyed):
+        optimizer.param_groups[0]["params"] = optimizer.param_groups[0]["params"][-1:]
+    assert whole.rounding_keys[copies[0][-1]] == narrowed.rounding_keys[copies[1][-1]] == len(low) - 1
+    rekeyed.set_rounding_key(copies[2][-1], 7)
+    generator = torch.Generator().manual_seed(17)
+    for _ in range(3):
+        grads = [torch.randn(p.shape, generator=generator).bfloat16() for p in low]
+        for params, optimizer in zip(copies, (whole, narrowed, rekeyed)):
+            for p, g in zip(params, grads):
+                p.grad = g.clone()
+            optimizer.step()
+    assert torch.equal(copies[0][-1], copies[1][-1])
+    assert not torch.equal(copies[0][-1], copies[2][-1])
+    assert all(torch.equal(p, q) for p, q in zip(low[:-1], copies[1][:-1]))  # narrowed away: not stepped
+    with pytest.raises(ValueError, match="not one this optimizer was built with"):
+        whole.set_rounding_key(low[0], 1)
+    with pytest.raises(ValueError, match="key must be in"):
+        whole.set_rounding_key(copies[0][0], -1)
+
+
 def test_checkpoints_move_between_master_and_masterless_optimizers():
     """A checkpoint with masters loaded without them: the masters are dropped (the weights come with the
     model). One without masters loaded with them: the masters start from the bf16 weights."""
