@@ -36,10 +36,10 @@ class MasterWeightAdamW(torch.optim.Optimizer):
     rounding_seed, the parameter's key and the step count, so a resumed run, and every data-parallel
     replica of a parameter, rounds the same way. A parameter's key (`rounding_keys`) is its place among
     the parameters given to the constructor; it stays when the groups are narrowed afterwards (ZeRO-1
-    keeping each rank's own), and an expert-parallel wrapper gives each rank's experts keys of their own
-    (`set_rounding_key`), so that different experts in the same place never share their bits. A checkpoint's masters are dropped
-    on load (the parameters are loaded with the model); a checkpoint without masters loaded with
-    master_weights=True starts them from the bf16 parameters.
+    keeping each rank's own), and an expert-parallel wrapper gives each rank's experts keys of their
+    own (`set_rounding_key`), so that different experts in the same place never share their bits. A
+    checkpoint's masters are dropped on load (the parameters are loaded with the model); a checkpoint
+    without masters loaded with master_weights=True starts them from the bf16 parameters.
 
     Like torch's fused optimizers it takes the GradScaler protocol's two device scalars, set as
     attributes before step() (step_with_device_flags): `grad_scale` divides every gradient and a
