@@ -101,6 +101,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if unknown:
             raise ValueError(f"the optimizer holds {len(unknown)} parameter(s) that are not in the model")
         in_optimizer = set(params)
+        rounding_keys = getattr(optimizer, "rounding_keys", None)  # an optimizer that rounds stochastically
         expert_groups: dict[int, _ExpertGroup] = {}
         for layer in moe_layers(model):
             if layer.parallel is None:
@@ -110,13 +111,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 raise ValueError(f"the experts are sharded over {layout.world_size} ranks but the optimizer's group "
                                  f"has {self.world_size}: use the same process group for both")
             entry = expert_groups.setdefault(id(layout), _ExpertGroup([], layout.replicas, layout.replica_group))
-            entry.params.extend(param for param in layer.experts.parameters() if param in in_optimizer)
-            keys = getattr(optimizer, "rounding_keys", None)
-            if keys is not None:  # the same place on another rank is another expert: other bits
-                offset = len(keys) * (1 + layout.local_slice.start)
-                for param in layer.experts.parameters():
-                    if param in keys:
-                        optimizer.set_rounding_key(param, keys[param] + offset)
+            local = [param for param in layer.experts.parameters() if param in in_optimizer]
+            entry.params.extend(local)
+            if rounding_keys is not None:  # the same place on another rank is another expert: other bits
+                offset = len(rounding_keys) * (1 + layout.local_slice.start)
+                for param in local:
+                    optimizer.set_rounding_key(param, rounding_keys[param] + offset)
         self.expert_groups = list(expert_groups.values())
         sharded = {param for entry in self.expert_groups for param in entry.params}
         self.shared = [param for param in params if param not in sharded]
