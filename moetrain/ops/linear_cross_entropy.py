@@ -29,7 +29,7 @@ import torch
 from moetrain.timing import LM_HEAD_SCOPE
 
 IGNORE_INDEX = -100
-_CHUNK_ELEMENTS = 1 << 29  # logits per chunk: 512 Mi (1 GiB in bf16); docs/performance.md, "The LM head's chunk"
+_CHUNK_ELEMENTS = 1 << 29  # logits per chunk: 512 Mi (1 GiB in bf16), the fastest of a sweep (docs/performance.md)
 
 
 def _loss_and_logit_grad(logits_CV: torch.Tensor, targets_C: torch.Tensor, scale: torch.Tensor,
