@@ -29,7 +29,7 @@ import torch
 from moetrain.timing import LM_HEAD_SCOPE
 
 IGNORE_INDEX = -100
-_CHUNK_ELEMENTS = 1 << 29  # logits per chunk: 512 Mi (1 GiB in bf16), the fastest of a sweep (docs/performance.md)
+_CHUNK_ELEMENTS = 1 << 27  # logits per chunk: 128 Mi (256 MiB in bf16); larger chunks in docs/performance.md
 
 
 def _loss_and_logit_grad(logits_CV: torch.Tensor, targets_C: torch.Tensor, scale: torch.Tensor,
@@ -105,7 +105,7 @@ def linear_cross_entropy(hidden: torch.Tensor, weight_VD: torch.Tensor, targets:
                          ignore_index: int = IGNORE_INDEX, chunk_tokens: int | None = None) -> torch.Tensor:
     """Mean cross-entropy of the logits hidden @ weight_VD.T against targets (module doc), without
     the logits: hidden [..., D], targets [...] (positions equal to ignore_index do not count),
-    weight_VD [V, D]. chunk_tokens: rows per chunk (default: 512 Mi logits a chunk)."""
+    weight_VD [V, D]. chunk_tokens: rows per chunk (default: 128 Mi logits a chunk)."""
     if hidden.shape[:-1] != targets.shape:
         raise ValueError(f"hidden {tuple(hidden.shape)} and targets {tuple(targets.shape)}: targets must have "
                          "hidden's shape without its last dimension")
