@@ -158,7 +158,7 @@ __global__ void __launch_bounds__(grad_x_warps(EP) * 32) router_grad_x_kernel(co
   }
 }
 
-// grid (column vectors / 256 threads, expert groups of 8, token chunks): partial[chunk, e, d].
+// grid (column vectors / 128 threads, expert groups of 8, token chunks): partial[chunk, e, d].
 template <typename scalar_t, int EX>
 __global__ void router_grad_w_kernel(const float* __restrict__ grad, const scalar_t* __restrict__ x, int64_t T,
                                      int E_arg, int64_t D, float* __restrict__ partial) {
