@@ -139,8 +139,8 @@ class MasterWeightAdamW(torch.optim.Optimizer):
                 state["step"] += 1
                 stepped.append(param)
                 step = int(state["step"].item())
-                key = self.rounding_keys[param]
-                seed = None if self.master_weights else rounding_seed(self.rounding_seed, key, step)
+                seed = (None if self.master_weights
+                        else rounding_seed(self.rounding_seed, self.rounding_keys[param], step))
                 adamw.adamw_master_step_(param, param.grad, state.get("master", param), state["exp_avg"],
                                          state["exp_avg_sq"], step, group["lr"], beta1, beta2,
                                          group["eps"], group["weight_decay"], _on(grad_scale, param),
