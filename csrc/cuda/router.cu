@@ -204,18 +204,29 @@ at::Tensor aligned_contiguous(const at::Tensor& x) {
   return reinterpret_cast<uintptr_t>(out.data_ptr()) % 16 == 0 ? out : out.clone();
 }
 
+// Calls fn(EX) with EX = 8 where E is exactly 8 (the kernels compiled for that count), 0 otherwise
+// (E read at run time): the one place that decides it, for every router kernel.
+template <typename Fn>
+void with_exact_experts(int64_t E, const Fn& fn) {
+  if (E == 8) {
+    fn(std::integral_constant<int, 8>{});
+  } else {
+    fn(std::integral_constant<int, 0>{});
+  }
+}
+
 // Calls fn(EP, TPW, EX) with EP = E rounded up to 8/16/32/64, TPW tokens per warp, the fastest of
 // the counts timed on an H200 (8 experts: 2, 4 or 8 tokens, 4 ran at 1.4 TB/s and 8 at 1.0 TB/s;
-// 16 experts: 2 or 4; 32 experts: 1 or 2), and EX = 8 where E is 8, 0 otherwise.
+// 16 experts: 2 or 4; 32 experts: 1 or 2), and EX as with_exact_experts picks it.
 template <int EP, int TPW, typename Fn>
 void with_padded_experts(int64_t E, const Fn& fn) {
+  const auto ep = std::integral_constant<int, EP>{};
+  const auto tpw = std::integral_constant<int, TPW>{};
   if constexpr (EP == 8) {
-    if (E == EP) {
-      fn(std::integral_constant<int, EP>{}, std::integral_constant<int, TPW>{}, std::integral_constant<int, EP>{});
-      return;
-    }
+    with_exact_experts(E, [&](auto ex) { fn(ep, tpw, ex); });
+  } else {
+    fn(ep, tpw, std::integral_constant<int, 0>{});
   }
-  fn(std::integral_constant<int, EP>{}, std::integral_constant<int, TPW>{}, std::integral_constant<int, 0>{});
 }
 
 template <typename Fn>
@@ -285,10 +296,12 @@ std::tuple<at::Tensor, at::Tensor> router_logits_backward_cuda(const at::Tensor&
         constexpr int kThreads = 128;
         const dim3 grid(static_cast<unsigned>((vectors + kThreads - 1) / kThreads), static_cast<unsigned>((E + 7) / 8),
                         static_cast<unsigned>(chunks));
-        auto kernel = E == 8 ? router_grad_w_kernel<scalar_t, 8> : router_grad_w_kernel<scalar_t, 0>;
-        kernel<<<grid, kThreads, 0, stream>>>(grad.data_ptr<float>(), x.data_ptr<scalar_t>(), T, static_cast<int>(E), D,
-                                              partial.data_ptr<float>());
-        C10_CUDA_KERNEL_LAUNCH_CHECK();
+        with_exact_experts(E, [&](auto ex) {
+          auto kernel = router_grad_w_kernel<scalar_t, decltype(ex)::value>;
+          kernel<<<grid, kThreads, 0, stream>>>(grad.data_ptr<float>(), x.data_ptr<scalar_t>(), T, static_cast<int>(E),
+                                                D, partial.data_ptr<float>());
+          C10_CUDA_KERNEL_LAUNCH_CHECK();
+        });
       }
       grad_w = partial.sum(0);
     }
