@@ -55,7 +55,7 @@ each token once (the forward's row or 1x128-tile scales) and gathers its E4M3 va
 the expert layout: half the bytes of dispatching bf16 rows, k times fewer rows quantized, and the
 same operands bit for bit, since a token's copies quantize alike. The bf16 rows are not kept for
 backward: the weight gradient dispatches the tokens again, and the input gradient is summed over
-each token's copies (dispatch's backward). Under expert parallelism the E4M3 rows travel to the
+each token's copies (dispatch's backward). (The fused SwiGLU experts below keep them instead.) Under expert parallelism the E4M3 rows travel to the
 experts' ranks (fp8_exchanged_matmul, the dropless layout at r = 1): there the weight gradient is
 taken from the received rows, dequantized (and with wgrad="fp8" quantized again per column:
 DeepSeek-V3's double quantization).
@@ -491,11 +491,14 @@ _token_matmul_op.register_autograd(_token_matmul_backward, setup_context=_token_
 # ---------------------------------------------------------------- SwiGLU experts, fused ("fp8")
 #
 # The routed SwiGLU experts in row-wise FP8 as two operators instead of three: the gate-up GEMM on the
-# tokens' FP8 rows with the SwiGLU activation after it, whose kernel also writes h's E4M3 rows (the
+# tokens' rows with the SwiGLU activation after it, whose kernel also writes h's E4M3 rows (the
 # down GEMM's operand), and whose backward's kernel writes d(gate-up) with its E4M3 rows (the gate-up
 # dgrad's operand); then the down GEMM on h's rows so quantized. Unfused, each of those two
-# quantizations reads its bf16 rows once more (h: R x H, d(gate-up): R x 2H). The same kernels' and
-# quantizers' arithmetic: the result and every gradient are the unfused path's, bit for bit.
+# quantizations reads its bf16 rows once more (h: R x H, d(gate-up): R x 2H). The gate-up GEMM's
+# input rows are copied from the tokens and quantized in one pass on the GPU (the bf16 rows kept for
+# the weight gradient, the E4M3 rows for the GEMM), instead of the token path's quantizing, gathering
+# the E4M3 rows, and dispatching the tokens again in the backward. The same kernels' and quantizers'
+# arithmetic: the result and every gradient are the unfused path's, bit for bit.
 
 
 def _swiglu_rows(gate_up_RN: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -537,14 +540,27 @@ def _(dyq_RN, dy_scale_R, w_EKN, counts_E):
     return dyq_RN.new_empty((dyq_RN.size(0), w_EKN.size(1)), dtype=torch.bfloat16)
 
 
+def _dispatched_rows(x_TK: torch.Tensor, dest_TK: torch.Tensor, num_rows: int, impl: str
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The rows dispatch makes of the tokens (moetrain.ops.dispatch), and their E4M3 rows and scales
+    ("fp8"), on the GPU in one pass that reads each copied row once."""
+    if x_TK.is_cuda and kernels.available():
+        return kernels.dispatch_quantize(x_TK, _source_rows(dest_TK, num_rows))
+    x_RK = ops.dispatch(x_TK, dest_TK, num_rows, impl=impl)
+    return (x_RK, *quantize_rows(x_RK))
+
+
 @torch.library.custom_op("moetrain::fp8_token_swiglu", mutates_args=())
 def _token_swiglu_op(x_TK: torch.Tensor, w_EKN: torch.Tensor, counts_E: torch.Tensor, dest_TK: torch.Tensor,
                      num_rows: int, wgrad: str, impl: str
-                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """_token_matmul_op ("fp8") on the gate-up weight, then SwiGLU -> (gate_up [R, 2H], kept for
-    backward; h [R, H]; h's E4M3 rows and scales)."""
-    gate_up_RN = _token_gemm("fp8", x_TK, w_EKN, counts_E, dest_TK, num_rows)
-    return (gate_up_RN, *_swiglu_rows(gate_up_RN))
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The gate-up GEMM ("fp8") on the rows dispatch makes of x_TK, then SwiGLU -> (gate_up [R, 2H] and
+    the bf16 rows x_RK [R, K], both kept for backward; h [R, H]; h's E4M3 rows and scales). x's rows
+    are copied and quantized in one pass, and kept for the weight gradient: the backward does not
+    dispatch the tokens again (one [R, K] tensor more held from forward to backward)."""
+    x_RK, xq_RK, x_scale_R = _dispatched_rows(x_TK, dest_TK, num_rows, impl)
+    gate_up_RN = _forward_gemm("fp8", xq_RK, x_scale_R, w_EKN, counts_E).to(x_TK.dtype).contiguous()
+    return (gate_up_RN, *_swiglu_rows(gate_up_RN), x_RK)
 
 
 @_token_swiglu_op.register_fake
@@ -552,25 +568,24 @@ def _(x_TK, w_EKN, counts_E, dest_TK, num_rows, wgrad, impl):
     hidden = w_EKN.size(2) // 2
     return (x_TK.new_empty((num_rows, 2 * hidden)), x_TK.new_empty((num_rows, hidden)),
             x_TK.new_empty((num_rows, hidden), dtype=torch.float8_e4m3fn),
-            x_TK.new_empty((num_rows,), dtype=torch.float32))
+            x_TK.new_empty((num_rows,), dtype=torch.float32), x_TK.new_empty((num_rows, x_TK.size(1))))
 
 
 def _token_swiglu_setup(ctx, inputs, output) -> None:
     x_TK, w_EKN, counts_E, dest_TK, num_rows, wgrad, impl = inputs
-    ctx.save_for_backward(x_TK, w_EKN, counts_E, dest_TK, output[0])
-    ctx.num_rows, ctx.wgrad, ctx.impl = num_rows, wgrad, impl
+    ctx.save_for_backward(output[4], w_EKN, counts_E, dest_TK, output[0])
+    ctx.wgrad, ctx.impl = wgrad, impl
 
 
-def _token_swiglu_backward(ctx, _grad_gate_up, grad_h_RH, _grad_hq, _grad_h_scale):
-    # gate_up is an output only to be kept for backward: nothing downstream reads it.
-    x_TK, w_EKN, counts_E, dest_TK, gate_up_RN = ctx.saved_tensors
+def _token_swiglu_backward(ctx, _grad_gate_up, grad_h_RH, _grad_hq, _grad_h_scale, _grad_x_RK):
+    # gate_up and x_RK are outputs only to be kept for backward: nothing downstream reads them.
+    x_RK, w_EKN, counts_E, dest_TK, gate_up_RN = ctx.saved_tensors
     grad_RN, gradq_RN, grad_scale_R = _swiglu_backward_op(grad_h_RH.contiguous(), gate_up_RN)
     grad_x = grad_w = None
     if ctx.needs_input_grad[0]:
-        dx_RK = _grad_input_quantized_op(gradq_RN, grad_scale_R, w_EKN, counts_E).to(x_TK.dtype)
+        dx_RK = _grad_input_quantized_op(gradq_RN, grad_scale_R, w_EKN, counts_E).to(x_RK.dtype)
         grad_x = ops.sum_copies(dx_RK, dest_TK, ctx.impl)
     if ctx.needs_input_grad[1]:
-        x_RK = ops.dispatch(x_TK, dest_TK, ctx.num_rows, impl=ctx.impl)
         grad_w = _grad_weight_op(x_RK, grad_RN, counts_E, "fp8", ctx.wgrad).to(w_EKN.dtype)
     return grad_x, grad_w, None, None, None, None, None
 
@@ -617,7 +632,7 @@ def fp8_token_swiglu_experts(x_TK: torch.Tensor, dest_TK: torch.Tensor, num_rows
     counts_E = _fp8_counts("fp8", wgrad, x_TK.device, w_gate_up_EDN.size(0), num_rows, counts_E, capacity)
     x_TK = _autocast_input(x_TK)
     with torch.autocast(x_TK.device.type, enabled=False):
-        _, h_RH, hq_RH, h_scale_R = _token_swiglu_op(x_TK.contiguous(), w_gate_up_EDN, counts_E, dest_TK.contiguous(),
+        _, h_RH, hq_RH, h_scale_R, _ = _token_swiglu_op(x_TK.contiguous(), w_gate_up_EDN, counts_E, dest_TK.contiguous(),
                                                      num_rows, wgrad, impl)
         return _quantized_rows_matmul_op(h_RH, hq_RH, h_scale_R, w_down_EHD, counts_E, wgrad)
 

@@ -5,6 +5,9 @@ for every weight format, and FP4 -> bf16 weight decoding for large batches.
                         one write, bit-identical to formats.quantize_fp8_groups. With `up` it first
                         forms SwiGLU's silu(x) * up (rounded to x's dtype at each step, as torch
                         rounds it), so the down projection's input is never written in bf16.
+  dispatch_quantize     rows of tokens copied into the expert layout and quantized per row in the
+                        same pass (the bf16 rows the weight gradient reads, and the FP8 rows the
+                        forward GEMM reads), bit-identical to copying then quantize_fp8.
   grouped_gemm          y[rows of g] = x[rows of g] @ w_g.T for the G experts of one format, one
                         launch, weights decoded in registers: bf16 as is; fp8 and fp8_block by FP8
                         tensor-core dots of the quantized activations with the stored bytes, scaled
@@ -218,6 +221,47 @@ if triton is not None:
                 d_gate, d_up, at_IF, mask_IF, _ = _swiglu_gradients(grad_h_ptr, gate_up_ptr, row_I, c0, R, H, CHUNK,
                                                                     dtype)
                 _store_pairs_and_codes(grad_ptr, q_ptr, d_gate, d_up, at_IF, mask_IF, scale_I1, ROWS, CHUNK)
+        tl.store(scale_ptr + row_I[:, None], scale_I1, mask=row_I[:, None] < R)
+
+    @triton.jit
+    def _source_row_values(x_ptr, source_I, row_I, c0, T, R, K, CHUNK: tl.constexpr):
+        """Columns c0 to c0 + CHUNK of x[source[r]] for the rows row_I (zeros where source[r] == T),
+        their offsets in the [R, K] output and their mask."""
+        col_C = c0 + tl.arange(0, CHUNK)
+        mask_IC = (row_I[:, None] < R) & (col_C[None, :] < K)
+        x_IC = tl.load(x_ptr + source_I[:, None] * K + col_C[None, :], mask=mask_IC & (source_I[:, None] < T),
+                       other=0.0)
+        return x_IC, row_I[:, None] * K + col_C[None, :], mask_IC
+
+    @triton.jit
+    def _dispatch_quantize_kernel(x_ptr, source_ptr, out_ptr, q_ptr, scale_ptr, T, R, K, ROWS: tl.constexpr,
+                                  CHUNK: tl.constexpr, ONE_PASS: tl.constexpr):
+        # ROWS rows a program: out[r] = x[source[r]] (zeros where source[r] == T) and out[r]'s E4M3
+        # codes under one scale a row. ONE_PASS (CHUNK >= K): the rows held whole, read once; else
+        # walked CHUNK values at a time, twice (the largest magnitudes, then the values read again,
+        # from L2 by then, and written), as in _swiglu_quantize_kernel.
+        row_I = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+        source_I = tl.load(source_ptr + row_I, mask=row_I < R, other=T).to(tl.int64)
+        if ONE_PASS:
+            x_IC, at_IC, mask_IC = _source_row_values(x_ptr, source_I, row_I, 0, T, R, K, CHUNK)
+            amax_IC, finite_IC = _magnitudes(x_IC.to(tl.float32), mask_IC)
+            scale_I1 = _row_scale(amax_IC, finite_IC)
+            tl.store(out_ptr + at_IC, x_IC, mask=mask_IC)
+            codes_IC = _e4m3_codes(x_IC.to(tl.float32), tl.broadcast_to(scale_I1, x_IC.shape))
+            tl.store(q_ptr + at_IC, codes_IC.to(tl.uint8, bitcast=True), mask=mask_IC)
+        else:
+            amax_IC = tl.zeros([ROWS, CHUNK], tl.float32)
+            finite_IC = tl.full([ROWS, CHUNK], 1, tl.int32)
+            for c0 in range(0, K, CHUNK):
+                x_IC, _, mask_IC = _source_row_values(x_ptr, source_I, row_I, c0, T, R, K, CHUNK)
+                magnitude_IC, ok_IC = _magnitudes(x_IC.to(tl.float32), mask_IC)
+                amax_IC, finite_IC = tl.maximum(amax_IC, magnitude_IC), tl.minimum(finite_IC, ok_IC)
+            scale_I1 = _row_scale(amax_IC, finite_IC)
+            for c0 in range(0, K, CHUNK):
+                x_IC, at_IC, mask_IC = _source_row_values(x_ptr, source_I, row_I, c0, T, R, K, CHUNK)
+                tl.store(out_ptr + at_IC, x_IC, mask=mask_IC)
+                codes_IC = _e4m3_codes(x_IC.to(tl.float32), tl.broadcast_to(scale_I1, x_IC.shape))
+                tl.store(q_ptr + at_IC, codes_IC.to(tl.uint8, bitcast=True), mask=mask_IC)
         tl.store(scale_ptr + row_I[:, None], scale_I1, mask=row_I[:, None] < R)
 
     @triton.jit
@@ -448,6 +492,31 @@ def swiglu_backward_quantize(grad_h_RH: torch.Tensor, gate_up_RN: torch.Tensor
             grad_h_RH, gate_up_RN, grad, q, scale, rows, hidden, ROWS=rows_each, CHUNK=chunk, ONE_PASS=one_pass,
             num_warps=SWIGLU_WARPS)
     return grad, q.view(torch.float8_e4m3fn), scale
+
+
+# The dispatching quantizer's tile: values of a row a program holds at a time, and its warps.
+DISPATCH_CHUNK, DISPATCH_WARPS = 4096, 8
+
+
+def dispatch_quantize(x_TK: torch.Tensor, source_R: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Rows of tokens and their row-wise FP8 codes in one pass: x_RK[r] = x[source[r]] (zeros where
+    source[r] == T, one past the last token), its E4M3 values [R, K] and fp32 scales [R] (quantize_fp8(
+    x_RK, K) bit for bit)."""
+    x_TK, source_R = x_TK.contiguous(), source_R.contiguous()
+    tokens, k = x_TK.shape
+    rows = source_R.size(0)
+    x_RK = x_TK.new_empty(rows, k)
+    q_RK = torch.empty(rows, k, dtype=torch.uint8, device=x_TK.device)
+    scale_R = torch.empty(rows, dtype=torch.float32, device=x_TK.device)
+    if rows and k:
+        chunk = min(DISPATCH_CHUNK, triton.next_power_of_2(k))
+        rows_each = max(1, DISPATCH_CHUNK // chunk)
+        _dispatch_quantize_kernel[(triton.cdiv(rows, rows_each),)](
+            x_TK, source_R, x_RK, q_RK, scale_R, tokens, rows, k, ROWS=rows_each, CHUNK=chunk, ONE_PASS=chunk >= k,
+            num_warps=DISPATCH_WARPS)
+    elif rows:  # rows of no values: formats.fp8_scale of an amax of 0
+        scale_R.fill_(1.0)
+    return x_RK, q_RK.view(torch.float8_e4m3fn), scale_R
 
 
 def default_tiles(fmt: WeightFormat, rows_per_expert: float) -> tuple[int, int, int, int, int]:

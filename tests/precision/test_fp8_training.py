@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from moetrain import MoELayer
+from moetrain import MoELayer, ops
 from moetrain.moe.routing import make_plan
 from moetrain.precision import fp8_matmul, fp8_quantize, kernels
 from moetrain.precision.formats import FORMATS, dequantize_fp8_groups, quantize_fp8_groups
@@ -204,6 +204,23 @@ def quantizer_interpreter_checks() -> None:
             assert torch.equal(got[0], want[0]), (rows, hidden)
             assert torch.equal(got[1].view(torch.uint8), want[1].view(torch.uint8)), (rows, hidden)
             assert torch.equal(got[2], want[2].view(-1)), (rows, hidden)
+    # The dispatching quantizer: each row from a naive loop (zeros where the source is one past the
+    # last token), its codes and scales the row quantizer's (run by the interpreter too); odd widths,
+    # rows held whole and rows walked in three slices, a zero token, no tokens, no rows.
+    for tokens, rows, width in ((9, 14, 40), (5, 3, 2 * kernels.DISPATCH_CHUNK + 24), (6, 11, 64), (0, 4, 16),
+                                (4, 0, 16)):
+        x = (torch.randn(tokens, width) * 30).to(torch.bfloat16)
+        if tokens > 2:
+            x[1] = 0
+        source = torch.randint(0, tokens + 1, (rows,))
+        source[::3] = tokens
+        want_rows = torch.stack([x[i] if i < tokens else torch.zeros(width, dtype=x.dtype)
+                                 for i in source.tolist()]) if rows else x.new_empty(0, width)
+        got = kernels.dispatch_quantize(x, source)
+        want = (want_rows, *kernels.quantize_fp8(want_rows, width))
+        assert torch.equal(got[0], want[0]), (tokens, rows, width)
+        assert torch.equal(got[1].view(torch.uint8), want[1].view(torch.uint8)), (tokens, rows, width)
+        assert torch.equal(got[2], want[2].view(-1)), (tokens, rows, width)
     # The token path's row gather (moetrain::fp8_gather_rows on CUDA): each row from a naive loop,
     # the pad where the source is one past the table; E4M3 rows of odd and multi-block widths, 1-D
     # and 2-D scales (fp8's rows, fp8_block's tiles), an empty table, no rows.
@@ -265,6 +282,25 @@ def test_swiglu_quantizing_kernels_compile_for_hopper(tmp_path):
         assert "ld.global.v4.b32" in ptx and "st.global.v4.b32" in ptx, fn.__name__
         assert not re.search(r"ld\.global(\.nc)?\.b32", ptx), fn.__name__  # no scalar loads of pairs
         assert_no_spills(ptx, tmp_path, fn.__name__)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CUDA tests run the kernels there")
+def test_dispatching_quantizer_compiles_for_hopper(tmp_path):
+    """The dispatching quantizer as it launches on moe_1b5's rows (2048 bf16 values, held whole),
+    compiled for sm_90 on this CPU: each copied row read and written, and its codes written, with
+    16-byte vector accesses; (ptxas -v) no register spills."""
+    pytest.importorskip("triton")
+    pytest.importorskip("triton.backends.nvidia")
+    from hopper_ptx import assert_no_spills, compile_ptx
+
+    chunk = min(kernels.DISPATCH_CHUNK, 2048)
+    types = {"x_ptr": "*bf16", "source_ptr": "*i64", "out_ptr": "*bf16", "q_ptr": "*u8", "scale_ptr": "*fp32",
+             "T": "i32", "R": "i32", "K": "i32"}
+    ptx = compile_ptx(kernels._dispatch_quantize_kernel, types,
+                      dict(ROWS=kernels.DISPATCH_CHUNK // chunk, CHUNK=chunk, ONE_PASS=True), kernels.DISPATCH_WARPS)
+    assert "ld.global.v4.b32" in ptx and "st.global.v4.b32" in ptx
+    assert not re.search(r"ld\.global(\.nc)?\.b16", ptx)  # no scalar loads of values
+    assert_no_spills(ptx, tmp_path, "_dispatch_quantize_kernel")
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -571,6 +607,28 @@ def test_the_row_gather_op_against_a_loop(device):
     torch.library.opcheck(op, (table, source, 0.0),
                           test_utils=("test_faketensor", "test_autograd_registration", "test_aot_dispatch_dynamic"))
     torch.library.opcheck(op, (scales, source, 1.0))
+
+
+@pytest.mark.parametrize("device", [CUDA])
+@pytest.mark.parametrize("dim", [2048, 40, 2 * kernels.DISPATCH_CHUNK + 24])
+def test_the_dispatching_quantizer_on_the_gpu(device, dim):
+    """The fused SwiGLU experts' input rows on the GPU (kernels.dispatch_quantize, one pass): the rows
+    moetrain.ops.dispatch makes, bit for bit, and their E4M3 rows and scales the row quantizer's, with
+    rows no token fills (padding) and a dropped choice; rows held whole, short, and walked in slices."""
+    generator = torch.Generator().manual_seed(dim)
+    tokens, top_k, experts = 300, 2, 5
+    x = (torch.randn(tokens, dim, generator=generator) * 20).to(device, torch.bfloat16)
+    x[7] = 0
+    logits = torch.randn(tokens, experts, generator=generator).to(device)
+    plan = make_plan(logits.topk(top_k, dim=-1).indices, None, experts, capacity_factor=1.0)  # padded rows
+    dest = plan.dest_TK.clone()
+    dest[3, 1] = -1
+    got = fp8_matmul._dispatched_rows(x, dest, plan.num_rows, "kernel")
+    x_RK = ops.dispatch(x, dest, plan.num_rows, impl="kernel")
+    want = (x_RK, *fp8_quantize.quantize_rows(x_RK))
+    assert torch.equal(got[0], want[0])
+    assert torch.equal(got[1].view(torch.uint8), want[1].view(torch.uint8))
+    assert torch.equal(got[2], want[2])
 
 
 @pytest.mark.parametrize("device", DEVICES)
