@@ -55,10 +55,10 @@ each token once (the forward's row or 1x128-tile scales) and gathers its E4M3 va
 the expert layout: half the bytes of dispatching bf16 rows, k times fewer rows quantized, and the
 same operands bit for bit, since a token's copies quantize alike. The bf16 rows are not kept for
 backward: the weight gradient dispatches the tokens again, and the input gradient is summed over
-each token's copies (dispatch's backward). (The fused SwiGLU experts below keep them instead.) Under expert parallelism the E4M3 rows travel to the
-experts' ranks (fp8_exchanged_matmul, the dropless layout at r = 1): there the weight gradient is
-taken from the received rows, dequantized (and with wgrad="fp8" quantized again per column:
-DeepSeek-V3's double quantization).
+each token's copies (dispatch's backward); the fused SwiGLU experts below keep them instead. Under
+expert parallelism the E4M3 rows travel to the experts' ranks (fp8_exchanged_matmul, the dropless
+layout at r = 1): there the weight gradient is taken from the received rows, dequantized (and with
+wgrad="fp8" quantized again per column: DeepSeek-V3's double quantization).
 
 The quantizers are moetrain.precision.fp8_quantize's; this module holds the GEMMs and their autograd.
 
@@ -632,8 +632,8 @@ def fp8_token_swiglu_experts(x_TK: torch.Tensor, dest_TK: torch.Tensor, num_rows
     counts_E = _fp8_counts("fp8", wgrad, x_TK.device, w_gate_up_EDN.size(0), num_rows, counts_E, capacity)
     x_TK = _autocast_input(x_TK)
     with torch.autocast(x_TK.device.type, enabled=False):
-        _, h_RH, hq_RH, h_scale_R, _ = _token_swiglu_op(x_TK.contiguous(), w_gate_up_EDN, counts_E, dest_TK.contiguous(),
-                                                     num_rows, wgrad, impl)
+        _, h_RH, hq_RH, h_scale_R, _ = _token_swiglu_op(x_TK.contiguous(), w_gate_up_EDN, counts_E,
+                                                        dest_TK.contiguous(), num_rows, wgrad, impl)
         return _quantized_rows_matmul_op(h_RH, hq_RH, h_scale_R, w_down_EHD, counts_E, wgrad)
 
 

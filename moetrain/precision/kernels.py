@@ -128,10 +128,12 @@ if triton is not None:
         return (gate * tl.sigmoid(gate) * up).to(dtype), mask_IC
 
     @triton.jit
-    def _store_h_and_codes(h_ptr, q_ptr, row_I, c0, H, h_IC, mask_IC, scale_I1, CHUNK: tl.constexpr):
-        at_IC = row_I[:, None] * H + (c0 + tl.arange(0, CHUNK))[None, :]
-        tl.store(h_ptr + at_IC, h_IC, mask=mask_IC)
-        codes_IC = _e4m3_codes(h_IC.to(tl.float32), tl.broadcast_to(scale_I1, h_IC.shape))
+    def _store_rows_and_codes(out_ptr, q_ptr, row_I, c0, C, x_IC, mask_IC, scale_I1, CHUNK: tl.constexpr):
+        """x's values at [ROWS, CHUNK] columns from c0 of row-major [R, C] out, and their E4M3 codes
+        under the rows' scales at the same places of q."""
+        at_IC = row_I[:, None] * C + (c0 + tl.arange(0, CHUNK))[None, :]
+        tl.store(out_ptr + at_IC, x_IC, mask=mask_IC)
+        codes_IC = _e4m3_codes(x_IC.to(tl.float32), tl.broadcast_to(scale_I1, x_IC.shape))
         tl.store(q_ptr + at_IC, codes_IC.to(tl.uint8, bitcast=True), mask=mask_IC)
 
     @triton.jit
@@ -148,7 +150,7 @@ if triton is not None:
             h_IC, mask_IC = _swiglu_h(gate_up_ptr, row_I, 0, R, H, CHUNK, dtype)
             amax_IC, finite_IC = _magnitudes(h_IC.to(tl.float32), mask_IC)
             scale_I1 = _row_scale(amax_IC, finite_IC)
-            _store_h_and_codes(h_ptr, q_ptr, row_I, 0, H, h_IC, mask_IC, scale_I1, CHUNK)
+            _store_rows_and_codes(h_ptr, q_ptr, row_I, 0, H, h_IC, mask_IC, scale_I1, CHUNK)
         else:
             amax_IC = tl.zeros([ROWS, CHUNK], tl.float32)
             finite_IC = tl.full([ROWS, CHUNK], 1, tl.int32)
@@ -159,7 +161,7 @@ if triton is not None:
             scale_I1 = _row_scale(amax_IC, finite_IC)
             for c0 in range(0, H, CHUNK):
                 h_IC, mask_IC = _swiglu_h(gate_up_ptr, row_I, c0, R, H, CHUNK, dtype)
-                _store_h_and_codes(h_ptr, q_ptr, row_I, c0, H, h_IC, mask_IC, scale_I1, CHUNK)
+                _store_rows_and_codes(h_ptr, q_ptr, row_I, c0, H, h_IC, mask_IC, scale_I1, CHUNK)
         tl.store(scale_ptr + row_I[:, None], scale_I1, mask=row_I[:, None] < R)
 
     @triton.jit
@@ -226,12 +228,12 @@ if triton is not None:
     @triton.jit
     def _source_row_values(x_ptr, source_I, row_I, c0, T, R, K, CHUNK: tl.constexpr):
         """Columns c0 to c0 + CHUNK of x[source[r]] for the rows row_I (zeros where source[r] == T),
-        their offsets in the [R, K] output and their mask."""
+        and the mask of those in range."""
         col_C = c0 + tl.arange(0, CHUNK)
         mask_IC = (row_I[:, None] < R) & (col_C[None, :] < K)
         x_IC = tl.load(x_ptr + source_I[:, None] * K + col_C[None, :], mask=mask_IC & (source_I[:, None] < T),
                        other=0.0)
-        return x_IC, row_I[:, None] * K + col_C[None, :], mask_IC
+        return x_IC, mask_IC
 
     @triton.jit
     def _dispatch_quantize_kernel(x_ptr, source_ptr, out_ptr, q_ptr, scale_ptr, T, R, K, ROWS: tl.constexpr,
@@ -243,25 +245,21 @@ if triton is not None:
         row_I = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
         source_I = tl.load(source_ptr + row_I, mask=row_I < R, other=T).to(tl.int64)
         if ONE_PASS:
-            x_IC, at_IC, mask_IC = _source_row_values(x_ptr, source_I, row_I, 0, T, R, K, CHUNK)
+            x_IC, mask_IC = _source_row_values(x_ptr, source_I, row_I, 0, T, R, K, CHUNK)
             amax_IC, finite_IC = _magnitudes(x_IC.to(tl.float32), mask_IC)
             scale_I1 = _row_scale(amax_IC, finite_IC)
-            tl.store(out_ptr + at_IC, x_IC, mask=mask_IC)
-            codes_IC = _e4m3_codes(x_IC.to(tl.float32), tl.broadcast_to(scale_I1, x_IC.shape))
-            tl.store(q_ptr + at_IC, codes_IC.to(tl.uint8, bitcast=True), mask=mask_IC)
+            _store_rows_and_codes(out_ptr, q_ptr, row_I, 0, K, x_IC, mask_IC, scale_I1, CHUNK)
         else:
             amax_IC = tl.zeros([ROWS, CHUNK], tl.float32)
             finite_IC = tl.full([ROWS, CHUNK], 1, tl.int32)
             for c0 in range(0, K, CHUNK):
-                x_IC, _, mask_IC = _source_row_values(x_ptr, source_I, row_I, c0, T, R, K, CHUNK)
+                x_IC, mask_IC = _source_row_values(x_ptr, source_I, row_I, c0, T, R, K, CHUNK)
                 magnitude_IC, ok_IC = _magnitudes(x_IC.to(tl.float32), mask_IC)
                 amax_IC, finite_IC = tl.maximum(amax_IC, magnitude_IC), tl.minimum(finite_IC, ok_IC)
             scale_I1 = _row_scale(amax_IC, finite_IC)
             for c0 in range(0, K, CHUNK):
-                x_IC, at_IC, mask_IC = _source_row_values(x_ptr, source_I, row_I, c0, T, R, K, CHUNK)
-                tl.store(out_ptr + at_IC, x_IC, mask=mask_IC)
-                codes_IC = _e4m3_codes(x_IC.to(tl.float32), tl.broadcast_to(scale_I1, x_IC.shape))
-                tl.store(q_ptr + at_IC, codes_IC.to(tl.uint8, bitcast=True), mask=mask_IC)
+                x_IC, mask_IC = _source_row_values(x_ptr, source_I, row_I, c0, T, R, K, CHUNK)
+                _store_rows_and_codes(out_ptr, q_ptr, row_I, c0, K, x_IC, mask_IC, scale_I1, CHUNK)
         tl.store(scale_ptr + row_I[:, None], scale_I1, mask=row_I[:, None] < R)
 
     @triton.jit
