@@ -201,10 +201,12 @@ def attend(q_BNTHd, k_BKSHd, v_BKSHd, mask=None, causal: bool = False, dropout: 
                                           is_causal=causal and mask is None, scale=scale, enable_gqa=gqa)
 
 
-def apply_rotary(x_BNTHd: torch.Tensor, cos_THd: torch.Tensor, sin_THd: torch.Tensor) -> torch.Tensor:
-    half = x_BNTHd.shape[-1] // 2
-    rotated = torch.cat([-x_BNTHd[..., half:], x_BNTHd[..., :half]], dim=-1)
-    return (x_BNTHd * cos_THd + rotated * sin_THd).to(x_BNTHd.dtype)
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x rotated by the cos/sin tables ("rotate half" layout), which broadcast against x: [..., Hd]
+    with the positions where x has them."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return (x * cos + rotated * sin).to(x.dtype)
 
 
 class Attention(nn.Module):
@@ -248,16 +250,21 @@ class Attention(nn.Module):
             mask=None) -> torch.Tensor:
         """Attention before the output projection -> [B, T, num_heads * head_dim]. rotary: cos/sin
         [T, Hd], or [B, 1, T, Hd] for per-sequence positions; mask: as document_mask makes it."""
+        # The norms and the rotation run on the projections' own [B, T, heads, Hd] layout; attention
+        # takes [B, heads, T, Hd] views of it. (Computed on those views instead, a compiled block
+        # wrote q and k head-major, and their gradients were transposed back by one more copy each.)
         B, T, _ = x_BTD.shape
-        q_BNTHd = self.q_proj(x_BTD).view(B, T, self.num_heads, self.head_dim).transpose(1, 2)
-        k_BKTHd = self.k_proj(x_BTD).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        v_BKTHd = self.v_proj(x_BTD).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        q_BTNHd = self.q_proj(x_BTD).view(B, T, self.num_heads, self.head_dim)
+        k_BTKHd = self.k_proj(x_BTD).view(B, T, self.num_kv_heads, self.head_dim)
+        v_BTKHd = self.v_proj(x_BTD).view(B, T, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
-            q_BNTHd, k_BKTHd = self.q_norm(q_BNTHd), self.k_norm(k_BKTHd)
+            q_BTNHd, k_BTKHd = self.q_norm(q_BTNHd), self.k_norm(k_BTKHd)
         if rotary is not None:
-            cos_THd, sin_THd = rotary
-            q_BNTHd, k_BKTHd = apply_rotary(q_BNTHd, cos_THd, sin_THd), apply_rotary(k_BKTHd, cos_THd, sin_THd)
-        o_BNTHd = attend(q_BNTHd, k_BKTHd, v_BKTHd, mask, self.causal, self.dropout if self.training else 0.0)
+            # [T, Hd] -> [T, 1, Hd]; per-sequence [B, 1, T, Hd] -> [B, T, 1, Hd]
+            cos, sin = (table.unsqueeze(-2) if table.dim() == 2 else table.transpose(1, 2) for table in rotary)
+            q_BTNHd, k_BTKHd = apply_rotary(q_BTNHd, cos, sin), apply_rotary(k_BTKHd, cos, sin)
+        o_BNTHd = attend(q_BTNHd.transpose(1, 2), k_BTKHd.transpose(1, 2), v_BTKHd.transpose(1, 2), mask, self.causal,
+                         self.dropout if self.training else 0.0)
         return o_BNTHd.transpose(1, 2).reshape(B, T, -1)
 
 
