@@ -251,8 +251,8 @@ class Attention(nn.Module):
         """Attention before the output projection -> [B, T, num_heads * head_dim]. rotary: cos/sin
         [T, Hd], or [B, 1, T, Hd] for per-sequence positions; mask: as document_mask makes it."""
         # The norms and the rotation run on the projections' own [B, T, heads, Hd] layout; attention
-        # takes [B, heads, T, Hd] views of it. (Computed on those views instead, a compiled block
-        # wrote q and k head-major, and their gradients were transposed back by one more copy each.)
+        # takes [B, heads, T, Hd] views of it. (Computed on the views, a compiled block ran one more
+        # kernel a layer in the forward, and stored q's and k's gradients transposed.)
         B, T, _ = x_BTD.shape
         q_BTNHd = self.q_proj(x_BTD).view(B, T, self.num_heads, self.head_dim)
         k_BTKHd = self.k_proj(x_BTD).view(B, T, self.num_kv_heads, self.head_dim)
