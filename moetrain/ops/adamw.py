@@ -119,6 +119,7 @@ def reference_stochastic(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch
 
 
 if triton is not None:
+    _GOLDEN_C, _MIX1_C, _MIX2_C = tl.constexpr(_GOLDEN), tl.constexpr(_MIX1), tl.constexpr(_MIX2)  # jit-readable
 
     @triton.jit
     def _adamw_master_kernel(param_ptr, grad_ptr, master_ptr, exp_avg_ptr, exp_avg_sq_ptr, elements,
@@ -140,11 +141,11 @@ if triton is not None:
         v = beta2 * v + (1.0 - beta2) * g * g
         master = master - step_size * m / (tl.sqrt(v) / bias_correction2_sqrt + eps)
         if STOCHASTIC:  # a bf16 parameter that is its own master: stored stochastically rounded
-            h = index.to(tl.uint32) * 0x9E3779B1 + seed.to(tl.uint32)  # rounding_noise, in uint32
+            h = index.to(tl.uint32) * _GOLDEN_C + seed.to(tl.uint32)  # rounding_noise, in uint32
             h ^= h >> 16
-            h *= 0x85EBCA6B
+            h *= _MIX1_C
             h ^= h >> 13
-            h *= 0xC2B2AE35
+            h *= _MIX2_C
             h ^= h >> 16
             noise = h >> 16
             bits = master.to(tl.uint32, bitcast=True)
